@@ -1,0 +1,287 @@
+"""Pass infrastructure shared by every branchyard pass.
+
+A branchyard pass is a :class:`torch.fx.passes.infra.pass_base.PassBase`:
+calling it on a ``GraphModule`` returns ``PassResult(graph_module, modified)``.
+Subclasses implement :meth:`BranchyardPass.run`, which rewrites the graph in
+place and returns whether it changed anything (XLA's ``HloPassInterface::Run``).
+Every candidate a pass declines is recorded with :meth:`BranchyardPass.skip`;
+the reasons land in the pass's :class:`PassReport` and in the ``branchyard``
+logger at DEBUG level.
+
+Each pass also has a *function form* built by :func:`apply_pass`: it takes a
+``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule`` and returns a
+new one of the same kind, leaving its argument untouched.
+
+:class:`Pipeline` runs several passes with torch's ``PassManager``, lints every
+graph (subgraphs included) after each pass, verifies an ExportedProgram at the
+end, and returns the reports of all passes::
+
+    >>> import torch
+    >>> from branchyard.passes.infra import BranchyardPass, Pipeline
+    >>> class DropNothing(BranchyardPass):
+    ...     name = "drop-nothing"
+    ...     def run(self, gm):
+    ...         for node in gm.graph.nodes:
+    ...             self.skip(node, "nothing to drop")
+    ...         return False
+    >>> gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    >>> result = Pipeline([DropNothing()])(gm)
+    >>> result.modified, len(result.reports[0].skips)
+    (False, 3)
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar, Union
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_manager import PassManager
+
+from branchyard.errors import BranchyardError, MalformedGraphError
+
+__all__ = [
+    "logger",
+    "Skip",
+    "PassReport",
+    "BranchyardPass",
+    "Program",
+    "apply_pass",
+    "lint_graph_module",
+    "iter_graph_modules",
+    "Pipeline",
+    "PipelineResult",
+    "PASS_REGISTRY",
+    "register_pass",
+    "get_pass",
+]
+
+logger = logging.getLogger("branchyard")
+
+Program = TypeVar("Program", ExportedProgram, GraphModule)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One candidate a pass looked at and declined, and why."""
+
+    pass_name: str
+    where: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"[{self.pass_name}] skipped {self.where}: {self.reason}"
+
+
+@dataclass
+class PassReport:
+    """What one run of a pass did: whether it changed the graph, what it
+    declined and why, and pass-specific counters (``stats``)."""
+
+    pass_name: str
+    modified: bool = False
+    skips: list[Skip] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        head = f"{self.pass_name}: {'modified' if self.modified else 'unchanged'}"
+        lines = [head]
+        lines += [f"  {k}: {v}" for k, v in self.stats.items()]
+        lines += [f"  {s}" for s in self.skips]
+        return "\n".join(lines)
+
+
+def _describe(where: Node | str) -> str:
+    if isinstance(where, Node):
+        return f"node '{where.name}' ({where.op} {getattr(where.target, '__name__', where.target)})"
+    return str(where)
+
+
+class BranchyardPass(PassBase):
+    """Base class of branchyard passes.
+
+    Subclasses set ``name`` (kebab-case, like XLA pass names) and implement
+    :meth:`run`. After a run that modified the graph, every graph (subgraphs
+    included) is linted and recompiled, so a pass cannot hand back a graph
+    that torch.fx would reject.
+    """
+
+    name: ClassVar[str] = "branchyard-pass"
+    #: Whether to run DCE on every graph after a modifying run.
+    eliminate_dead_code: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.report = PassReport(self.name)
+
+    @abc.abstractmethod
+    def run(self, graph_module: GraphModule) -> bool:
+        """Rewrite ``graph_module`` in place; return whether anything changed."""
+
+    def skip(self, where: Node | str, reason: str) -> None:
+        """Record that a candidate was declined (report + DEBUG log)."""
+        entry = Skip(self.name, _describe(where), reason)
+        self.report.skips.append(entry)
+        logger.debug("%s", entry)
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        self.report = PassReport(self.name)
+        modified = bool(self.run(graph_module))
+        if modified:
+            for gm in iter_graph_modules(graph_module):
+                if self.eliminate_dead_code:
+                    gm.graph.eliminate_dead_code()
+                gm.recompile()
+            lint_graph_module(graph_module)
+        self.report.modified = modified
+        return PassResult(graph_module, modified)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def iter_graph_modules(gm: GraphModule) -> Iterator[GraphModule]:
+    """``gm`` and every GraphModule reachable from it as a submodule, each once."""
+    seen: set[int] = set()
+    stack = [gm]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(c for c in m.children() if isinstance(c, GraphModule))
+
+
+def lint_graph_module(gm: GraphModule) -> None:
+    """Lint ``gm`` and every subgraph; raise :class:`MalformedGraphError`
+    naming the graph that fails."""
+    for sub in iter_graph_modules(gm):
+        try:
+            sub.graph.lint()
+        except Exception as exc:  # torch raises RuntimeError / AssertionError here
+            label = getattr(sub, "_branchyard_label", type(sub).__name__)
+            raise MalformedGraphError(
+                f"graph fails torch.fx lint: {exc}", where=f"graph module {label!r}"
+            ) from exc
+
+
+def _check_input(program: Any) -> None:
+    if not isinstance(program, (ExportedProgram, GraphModule)):
+        raise BranchyardError(
+            f"expected a torch.export.ExportedProgram or torch.fx.GraphModule, got {type(program).__name__}",
+            hint="export the model with torch.export.export or trace it with make_fx first",
+        )
+
+
+def apply_pass(program: Program, *passes: PassBase) -> Program:
+    """Run ``passes`` once each on a copy of ``program``; return the copy.
+
+    ``program`` may be an ``ExportedProgram`` (the result is re-verified) or a
+    ``GraphModule``; the result is of the same kind. The input is not mutated.
+    """
+    return Pipeline(list(passes), steps=1)(program).program
+
+
+@dataclass
+class PipelineResult:
+    """The rewritten program, whether any pass changed it, and every report."""
+
+    program: Any
+    modified: bool
+    reports: list[PassReport]
+
+    def report(self) -> str:
+        """All pass reports as readable text."""
+        return "\n".join(str(r) for r in self.reports)
+
+
+class Pipeline:
+    """Run passes in order with torch's ``PassManager``.
+
+    * ``lint=True`` lints every graph and subgraph before and after each pass;
+    * ``steps`` > 1 repeats the whole list until nothing changes (fixed point);
+    * an ExportedProgram is rebuilt with the rewritten graph and verified.
+    """
+
+    def __init__(self, passes: Sequence[PassBase], *, lint: bool = True, steps: int = 1) -> None:
+        for p in passes:
+            if not isinstance(p, PassBase):
+                raise BranchyardError(
+                    f"pipeline entry {p!r} is not a torch.fx PassBase",
+                    hint="instantiate the pass class, e.g. CondToSwitch()",
+                )
+        self.passes = list(passes)
+        self.lint = lint
+        self.steps = steps
+
+    def _manager(self) -> PassManager:
+        pm = PassManager(self.passes, steps=self.steps, run_checks_after_each_pass=self.lint)
+        if self.lint:
+            pm.add_checks(lint_graph_module)
+        return pm
+
+    def _run(self, gm: GraphModule) -> tuple[GraphModule, bool]:
+        try:
+            res = self._manager()(gm)
+        except BranchyardError:
+            raise
+        except Exception as exc:
+            # PassManager wraps a pass's failure in a bare Exception; surface ours.
+            if isinstance(exc.__cause__, BranchyardError):
+                raise exc.__cause__ from None
+            raise
+        return res.graph_module, bool(res.modified)
+
+    def __call__(self, program: Program) -> PipelineResult:
+        _check_input(program)
+        if isinstance(program, GraphModule):
+            gm, modified = self._run(copy.deepcopy(program))
+            out: Any = gm
+        else:
+            # Run on a copy of the graph; the state dict and constants are shared.
+            fresh = program._update(copy.deepcopy(program.graph_module), program.graph_signature)
+            holder: dict[str, bool] = {}
+
+            def run_all(gm: GraphModule) -> PassResult:
+                new_gm, changed = self._run(gm)
+                holder["modified"] = changed
+                return PassResult(new_gm, changed)
+
+            out = fresh._transform_do_not_use(run_all)
+            modified = holder.get("modified", False)
+            if modified:
+                out.validate()
+        reports = [p.report for p in self.passes if isinstance(p, BranchyardPass)]
+        return PipelineResult(out, modified, reports)
+
+
+#: Pass name (as used on the command line) -> pass class. Filled by
+#: :func:`register_pass` in each pass module.
+PASS_REGISTRY: dict[str, type[BranchyardPass]] = {}
+
+
+def register_pass(cli_name: str) -> Callable[[type[BranchyardPass]], type[BranchyardPass]]:
+    """Class decorator: make a pass available by ``cli_name`` (``--passes``)."""
+
+    def deco(cls: type[BranchyardPass]) -> type[BranchyardPass]:
+        PASS_REGISTRY[cli_name] = cls
+        return cls
+
+    return deco
+
+
+def get_pass(cli_name: str) -> BranchyardPass:
+    """A fresh instance of the registered pass ``cli_name``."""
+    import branchyard.passes  # noqa: F401  (registers the built-in passes)
+
+    try:
+        return PASS_REGISTRY[cli_name]()
+    except KeyError:
+        known = ", ".join(sorted(PASS_REGISTRY)) or "none"
+        raise BranchyardError(f"unknown pass {cli_name!r}; known passes: {known}") from None

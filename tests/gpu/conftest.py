@@ -1,0 +1,14 @@
+"""GPU tests: run on the GPU machine (docs/gpu.md says how); skipped, never
+passed, where there is no CUDA device."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "tests/gpu" in str(item.fspath):
+            item.add_marker(skip)

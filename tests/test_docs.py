@@ -1,0 +1,37 @@
+"""Every ```python block in docs/*.md runs, top to bottom, one namespace per
+file. A block preceded by ``<!-- skip-test: reason -->`` is skipped (e.g. GPU
+only); a block preceded by ``<!-- gpu -->`` runs only with CUDA."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BLOCK = re.compile(r"(<!--\s*(?P<tag>[\w-]+)(?::[^>]*)?-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+
+
+def _doc_files():
+    return sorted(DOCS.glob("*.md"))
+
+
+@pytest.mark.parametrize("path", _doc_files(), ids=lambda p: p.name)
+def test_doc_examples_run(path: Path, tmp_path, monkeypatch):
+    blocks = list(BLOCK.finditer(path.read_text()))
+    runnable = [b for b in blocks if b.group("tag") not in ("skip-test",)]
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {"__name__": f"docs_{path.stem}"}
+    ran = 0
+    for b in runnable:
+        if b.group("tag") == "gpu" and not torch.cuda.is_available():
+            continue
+        code = b.group("code")
+        line = path.read_text()[: b.start("code")].count("\n") + 1
+        exec(compile(code, f"{path}:{line}", "exec"), ns)
+        ran += 1
+    if ran == 0:
+        pytest.skip(f"{path.name}: every example needs a GPU or is marked skip-test")

@@ -1,0 +1,123 @@
+"""Explain a data-dependent guard on a declared dim in the user's terms.
+
+A declared dim is an unbacked symbolic size: while tracing, its value is
+unknown, so Python control flow on it (``if x.shape[0] > 64:``) cannot be
+decided and torch raises ``GuardOnDataDependentSymNode`` about ``u0 > 64``.
+That is the design -- a branch on a dynamic size must be in the graph or ruled
+out by the range. :func:`explain` turns torch's error into a
+:class:`~branchyard.errors.DataDependentShapeError` that names the ShapeVar,
+the condition in ShapeVar names, the user's source line, and the two ways out:
+``torch.cond`` or a range narrow enough to decide the condition (computed, when
+the condition involves one var).
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+from typing import Any, Mapping
+
+import sympy
+import torch
+
+import branchyard
+from branchyard.errors import DataDependentShapeError
+from branchyard.shapes.shape_var import ShapeVar
+
+__all__ = ["find_data_dependent_error", "explain"]
+
+_SKIP_DIRS = tuple(
+    os.path.dirname(p) + os.sep
+    for p in (torch.__file__, branchyard.__file__)
+) + (sysconfig.get_paths()["stdlib"] + os.sep,)
+# range sizes above this are not scanned for a suggested narrower range
+_MAX_SCAN = 200_000
+
+
+def find_data_dependent_error(err: BaseException) -> BaseException | None:
+    """The ``GuardOnDataDependentSymNode`` in ``err``'s cause/context chain, if any."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, GuardOnDataDependentSymNode):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(_SKIP_DIRS) and not f.filename.startswith("<frozen")]
+    return user[-1] if user else None
+
+
+def _suggest_range(cond: sympy.Basic, var: ShapeVar) -> str | None:
+    """A narrower range on which ``cond`` (over ``var`` only) has one answer."""
+    if cond.free_symbols != {var.symbol}:
+        return None
+    if var.max is None or (var.max - var.min) // var.multiple_of > _MAX_SCAN:
+        return None
+    sizes = range(var.min, var.max + 1, var.multiple_of)
+    truth = [bool(cond.subs(var.symbol, n)) for n in sizes]
+    if all(truth) or not any(truth):
+        return None
+    # the longest run of one answer is the most useful narrower range
+    best = (0, 0, 0)
+    start = 0
+    for i in range(1, len(truth) + 1):
+        if i == len(truth) or truth[i] != truth[start]:
+            if i - start > best[1] - best[0]:
+                best = (start, i, truth[start])
+            start = i
+    lo, hi = sizes[best[0]], sizes[best[1] - 1]
+    extra = f", multiple_of={var.multiple_of}" if var.multiple_of > 1 else ""
+    return f"ShapeVar({var.name!r}, min={lo}, max={hi}{extra}) makes it always {best[2]}"
+
+
+def explain(
+    err: BaseException,
+    dde: BaseException,
+    var_of_symbol: Mapping[sympy.Symbol, str],
+    vars: Mapping[str, ShapeVar],
+) -> DataDependentShapeError:
+    """A DataDependentShapeError for ``dde`` (found in ``err``) in ShapeVar terms."""
+    cond = getattr(dde, "cond", None)
+    names = {}
+    if isinstance(cond, sympy.Basic):
+        for sym in cond.free_symbols:
+            name = var_of_symbol.get(sym)
+            if name is not None:
+                names[sym] = vars[name].symbol
+        readable = cond.xreplace(names)
+    else:
+        readable = None
+    involved = sorted({vars[var_of_symbol[s]].name for s in names})
+    frame = _user_frame(err) or _user_frame(dde)
+    where = f"{frame.filename}:{frame.lineno}" if frame else None
+    subject = (
+        "ShapeVar " + ", ".join(repr(n) for n in involved) if involved else "a data-dependent value (not a declared ShapeVar)"
+    )
+    message = f"Python control flow depends on {subject}"
+    if readable is not None:
+        message += f": the condition `{readable}` cannot be decided while tracing"
+        if names:
+            message += f" ({cond} in torch's symbols)"
+    if frame is not None and frame.line:
+        message += f", at `{frame.line.strip()}`"
+    hints = ["a declared dim is an unbacked symbolic size, unknown while tracing; "
+             "use torch.cond(pred, true_fn, false_fn, operands) to keep both branches in the graph"]
+    if len(involved) == 1 and readable is not None:
+        suggestion = _suggest_range(readable, vars[involved[0]])
+        hints.append(
+            f"or narrow the range so the condition has one answer: {suggestion}"
+            if suggestion
+            else f"or narrow {involved[0]!r}'s range so the condition has one answer on all of it"
+        )
+    out = DataDependentShapeError(message, where=where, hint="; ".join(hints))
+    out.condition = readable  # type: ignore[attr-defined]
+    out.shape_vars = involved  # type: ignore[attr-defined]
+    return out

@@ -1,0 +1,312 @@
+"""``export``, ``compile`` and ``make_fx`` driven by one :class:`ShapesSpec`.
+
+Each takes a function or ``nn.Module`` and the spec (explicitly, or attached
+by :func:`~branchyard.shapes.dynamic_spec`; both at once is an error), and:
+
+1. validates the concrete inputs against the spec before anything is traced
+   or run (:mod:`branchyard.shapes.validation`);
+2. traces with every declared dim an *unbacked* symbolic size with the
+   declared range -- no 0/1 specialisation, no recompiles inside the range;
+3. turns a data-dependent guard on a declared dim into a
+   :class:`~branchyard.errors.DataDependentShapeError` in ShapeVar terms.
+
+How step 2 is done per entry point:
+
+=============  ==============================================================
+``export``     our own fake inputs (one unbacked symbol per ShapeVar,
+               :mod:`branchyard.shapes.symbolic`) handed to non-strict
+               ``torch.export.export``; plain functions are wrapped in a module
+               that owns the ``nn.Module`` s they close over.
+``make_fx``    the same fake inputs handed to torch's ``make_fx``; kwargs are
+               bound to positions first; deferred runtime asserts are
+               inserted into the graph.
+``compile``    torch's native ``ShapesSpec`` (:func:`~branchyard.shapes.interop.to_torch_spec`)
+               handed to ``torch.compile(dynamic_shapes=...)``: Dynamo
+               allocates the symbols itself, one per occurrence, tied by
+               ``Eq`` asserts to the first.
+=============  ==============================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+
+from branchyard.errors import ShapeSpecError
+from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, SPEC_ATTR, get_spec
+from branchyard.shapes.diagnostics import explain, find_data_dependent_error
+from branchyard.shapes.interop import HAS_NATIVE_SPEC, to_torch_spec
+from branchyard.shapes.spec import ShapesSpec
+from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
+from branchyard.shapes.validation import bind
+
+__all__ = ["export", "compile", "make_fx", "SpecCompiled", "resolve_spec"]
+
+
+def resolve_spec(fn: Any, spec: ShapesSpec | dict | None) -> ShapesSpec:
+    """The spec to use: the explicit one or the attached one, never both, never neither."""
+    attached = get_spec(fn)
+    if spec is not None and attached is not None:
+        raise ShapeSpecError(
+            "a spec is attached with @dynamic_spec and another was passed",
+            where=getattr(fn, "__qualname__", type(fn).__name__),
+            hint="pass only one",
+        )
+    chosen = spec if spec is not None else attached
+    if chosen is None:
+        raise ShapeSpecError(
+            "no dynamic spec: decorate with @dynamic_spec or pass spec=",
+            where=getattr(fn, "__qualname__", type(fn).__name__),
+        )
+    return chosen if isinstance(chosen, ShapesSpec) else ShapesSpec(chosen)
+
+
+@contextlib.contextmanager
+def _without_native_spec(fn: Any) -> Iterator[None]:
+    """Hide torch's ``_dynamic_spec`` while we trace with our own fake inputs.
+
+    torch would otherwise read it and fakify our fakes a second time.
+    """
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    holder = getattr(target, "__func__", target)
+    saved = holder.__dict__.pop(NATIVE_SPEC_ATTR, None) if hasattr(holder, "__dict__") else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            holder.__dict__[NATIVE_SPEC_ATTR] = saved
+
+
+def _raise_explained(err: BaseException, inputs: SymbolicInputs, spec: ShapesSpec) -> None:
+    dde = find_data_dependent_error(err)
+    if dde is not None:
+        raise explain(err, dde, inputs.var_of_symbol(), spec.vars) from err
+
+
+# -- export ---------------------------------------------------------------------------
+
+
+class _FunctionModule(torch.nn.Module):
+    """A plain function as a module; the modules it closes over become submodules,
+    so their weights are parameters of the exported program, not constants."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        super().__init__()
+        for name, module in _referenced_modules(fn):
+            self.add_module(name, module)
+        # an instance attribute, not a bound method: the signature is fn's own
+        object.__setattr__(self, "forward", fn)
+
+
+def _referenced_modules(fn: Callable[..., Any]) -> list[tuple[str, torch.nn.Module]]:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    found: dict[str, torch.nn.Module] = {}
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        if isinstance(value, torch.nn.Module):
+            found[name] = value
+    for name in code.co_names:
+        value = fn.__globals__.get(name)
+        if isinstance(value, torch.nn.Module):
+            found.setdefault(name, value)
+    return list(found.items())
+
+
+def export(
+    fn: Callable[..., Any] | torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    spec: ShapesSpec | dict | None = None,
+    **export_kwargs: Any,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` with the spec's dims as unbacked symbols, one per ShapeVar.
+
+    ``fn`` may be a plain function (wrapped in a module that owns the modules
+    it refers to) or an ``nn.Module``. ``args``/``kwargs`` are example inputs;
+    they must satisfy the spec. Extra keyword arguments go to
+    ``torch.export.export`` (non-strict: our fake inputs must reach the tracer
+    as they are). Returns the ``ExportedProgram``; its ``range_constraints``
+    hold one entry per ShapeVar.
+    """
+    spec = resolve_spec(fn, spec)
+    if export_kwargs.pop("strict", False):
+        raise ShapeSpecError(
+            "strict=True is not supported: Dynamo would re-fakify the inputs and split shared ShapeVars",
+            hint="use the default non-strict export, or torch.export.export(..., dynamic_shapes=spec.to_torch())",
+        )
+    if "dynamic_shapes" in export_kwargs:
+        raise ShapeSpecError("pass the shapes as spec=, not dynamic_shapes=")
+    mod = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
+    binding = bind(spec, mod, tuple(args), kwargs)
+    inputs = make_symbolic_inputs(spec, binding, export=True)
+    with _without_native_spec(fn), tracing_with(inputs):
+        try:
+            return torch.export.export(mod, inputs.args, inputs.kwargs, strict=False, **export_kwargs)
+        except Exception as err:
+            _raise_explained(err, inputs, spec)
+            raise
+
+
+# -- make_fx --------------------------------------------------------------------------
+
+
+def make_fx(
+    fn: Callable[..., Any] | torch.nn.Module,
+    *,
+    spec: ShapesSpec | dict | None = None,
+    **make_fx_kwargs: Any,
+) -> Callable[..., torch.fx.GraphModule]:
+    """Like ``torch.fx.experimental.proxy_tensor.make_fx(fn)``, driven by the spec.
+
+    Returns ``trace(*args, **kwargs) -> GraphModule``. Keyword arguments are
+    accepted (bound to their positions; the graph takes every argument
+    positionally, in signature order). The graph carries runtime asserts for
+    each ShapeVar's range and divisor. Tensors ``fn`` closes over (a model's
+    weights) become constants of the graph.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
+
+    spec = resolve_spec(fn, spec)
+    if "dynamic_shapes" in make_fx_kwargs or make_fx_kwargs.get("tracing_mode", "fake") != "fake":
+        raise ShapeSpecError("make_fx with a spec traces in 'fake' mode and takes the shapes as spec=")
+    make_fx_kwargs.pop("tracing_mode", None)
+    make_fx_kwargs.setdefault("_allow_non_fake_inputs", True)
+
+    @functools.wraps(fn if not isinstance(fn, torch.nn.Module) else fn.forward)
+    def trace(*args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        binding = bind(spec, fn, args, kwargs)
+        inputs = make_symbolic_inputs(spec, binding, export=False)
+        sig = binding.arguments.signature
+        fake = sig.bind(*inputs.args, **inputs.kwargs)  # the same binding, fakes in place
+        if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+               for p in sig.parameters.values()) or inputs.kwargs:
+            # make_fx takes positional arguments only: pass every parameter by position
+            names = list(fake.arguments)
+
+            def call(*flat: Any) -> Any:
+                a: list[Any] = []
+                k: dict[str, Any] = {}
+                for n, v in zip(names, flat):
+                    kind = sig.parameters[n].kind
+                    if kind is inspect.Parameter.VAR_POSITIONAL:
+                        a.extend(v)
+                    elif kind is inspect.Parameter.VAR_KEYWORD:
+                        k.update(v)
+                    elif kind is inspect.Parameter.KEYWORD_ONLY:
+                        k[n] = v
+                    else:
+                        a.append(v)
+                return fn(*a, **k)
+
+            target, call_args = call, [fake.arguments[n] for n in names]
+        else:
+            target, call_args = fn, list(inputs.args)
+        with _without_native_spec(fn):
+            try:
+                gm = torch_make_fx(target, tracing_mode="fake", **make_fx_kwargs)(*call_args)
+            except Exception as err:
+                _raise_explained(err, inputs, spec)
+                raise
+        _insert_runtime_asserts(gm, inputs)
+        gm.meta["branchyard_shape_symbols"] = {n: s.node.expr for n, s in inputs.symbols.items()}
+        return gm
+
+    return trace
+
+
+def _insert_runtime_asserts(gm: torch.fx.GraphModule, inputs: SymbolicInputs) -> None:
+    """Put each var's range/divisor checks into the graph, bound at the placeholders."""
+    from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
+
+    # The pass binds symbols to graph values through ``unbacked_bindings``;
+    # our symbols enter through placeholders, which torch tags only in export.
+    try:
+        from torch.export._trace import _add_input_unbacked_bindings
+    except ImportError:  # older torch: the graph keeps no runtime asserts
+        return
+    _add_input_unbacked_bindings(gm)
+    insert_deferred_runtime_asserts(gm, inputs.shape_env, "branchyard.shapes")
+    gm.recompile()
+
+
+# -- compile --------------------------------------------------------------------------
+
+
+class SpecCompiled:
+    """``torch.compile`` d callable that checks each call's inputs against the spec first.
+
+    ``compiled`` is what ``torch.compile`` returned; ``spec`` the spec. A
+    violating input raises :class:`~branchyard.errors.SpecViolationError`
+    before Dynamo sees it; a data-dependent branch on a declared dim raises
+    :class:`~branchyard.errors.DataDependentShapeError` (diagnosed by
+    re-tracing the failing call with :func:`make_fx`).
+    """
+
+    def __init__(self, fn: Any, spec: ShapesSpec, compiled: Callable[..., Any], validate: bool):
+        self.fn = fn
+        self.spec = spec
+        self.compiled = compiled
+        self.validate = validate
+        functools.update_wrapper(self, fn if not isinstance(fn, torch.nn.Module) else fn.forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.validate:
+            bind(self.spec, self.fn, args, kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as err:
+            if find_data_dependent_error(err) is None and "data-dependent" not in str(err):
+                raise
+            diagnosis = self._diagnose(args, kwargs)
+            if diagnosis is None:
+                raise
+            raise diagnosis from err
+
+    def _diagnose(self, args: tuple, kwargs: dict) -> BaseException | None:
+        from branchyard.errors import DataDependentShapeError
+
+        try:
+            make_fx(self.fn, spec=None if get_spec(self.fn) is not None else self.spec)(*args, **kwargs)
+        except DataDependentShapeError as e:
+            return e
+        except Exception:  # the re-trace failed differently: report torch's own error
+            return None
+        return None
+
+
+def compile(
+    fn: Callable[..., Any] | torch.nn.Module,
+    *,
+    spec: ShapesSpec | dict | None = None,
+    validate: bool = True,
+    **compile_kwargs: Any,
+) -> SpecCompiled:
+    """``torch.compile(fn)`` with the spec's dims unbacked, plus input validation.
+
+    Extra keyword arguments go to ``torch.compile`` (``backend``,
+    ``fullgraph``, ``mode``, ...). ``validate=False`` skips the per-call
+    check (a few microseconds of Python per call).
+    """
+    spec = resolve_spec(fn, spec)
+    if not HAS_NATIVE_SPEC:
+        raise ShapeSpecError(
+            f"torch {torch.__version__} has no torch.fx.experimental.dynamic_spec for torch.compile to read",
+            hint="use branchyard.shapes.export or make_fx on this torch",
+        )
+    if "dynamic_shapes" in compile_kwargs or "dynamic" in compile_kwargs:
+        raise ShapeSpecError("the spec decides what is dynamic: drop dynamic= / dynamic_shapes=")
+    attached_native = getattr(fn.forward if isinstance(fn, torch.nn.Module) else fn, NATIVE_SPEC_ATTR, None)
+    if attached_native is None:
+        compile_kwargs["dynamic_shapes"] = to_torch_spec(spec, fn)
+    compiled = torch.compile(fn, **compile_kwargs)
+    return SpecCompiled(fn, spec, compiled, validate)

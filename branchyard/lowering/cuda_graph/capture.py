@@ -1,0 +1,375 @@
+"""Run an FX program through the control-flow handlers: validate, warm up, capture.
+
+:class:`ControlFlowInterpreter` is a ``torch.fx.Interpreter`` whose
+``call_function`` sends ``while_loop``, ``cond`` and ``switch`` to the handler
+table (:mod:`.handlers`) and runs every other node as torch would. The same
+walk serves three phases (:class:`Phase`):
+
+``VALIDATE``  on fake tensors: every body and branch runs once; predicates,
+              loop carries, branch outputs, devices and RNG are checked.
+``WARMUP``    on real tensors, on a side stream: every body and branch runs once
+              (untaken branches included), so lazy initialisation (cuBLAS
+              handles, Triton autotuning, allocator growth) happens before capture.
+``CAPTURE``   inside ``torch.cuda.graph``: plain ops are captured as they run;
+              control flow becomes conditional nodes whose bodies are captured
+              by recursion on side streams.
+
+:class:`CudaGraphModule` drives the three phases and replays the graph.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from branchyard.errors import BranchyardError, LoweringError, UnsupportedGraphError
+from branchyard.lowering.cuda_graph.handlers import TensorMeta, handler_for
+
+__all__ = [
+    "Phase",
+    "LoweringContext",
+    "ControlFlowInterpreter",
+    "CudaGraphFallbackWarning",
+    "CudaGraphModule",
+    "RNG_FUNCTION_NAMES",
+    "RNG_METHOD_NAMES",
+]
+
+
+class Phase(enum.Enum):
+    VALIDATE = "validate"
+    WARMUP = "warmup"
+    CAPTURE = "capture"
+
+
+#: torch-level functions that draw random numbers (graphs from torch.compile are torch-level).
+RNG_FUNCTION_NAMES = frozenset(
+    "rand randn randint rand_like randn_like randint_like bernoulli multinomial normal randperm poisson "
+    "dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout rrelu native_dropout".split()
+)
+#: Tensor methods that draw random numbers.
+RNG_METHOD_NAMES = frozenset(
+    "uniform_ normal_ bernoulli bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_".split()
+)
+
+
+def _is_rng(op: str, target: Any) -> bool:
+    if op == "call_method":
+        return target in RNG_METHOD_NAMES
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    return getattr(target, "__name__", None) in RNG_FUNCTION_NAMES
+
+
+@dataclass
+class LoweringContext:
+    """State shared by every interpreter of one lowering (all nesting levels)."""
+
+    phase: Phase
+    device: torch.device | None
+    max_iterations: int | None = None
+    if_else_one_node: bool = True
+    builder: Any = None  # ConditionalBuilder during CAPTURE
+    exhausted: torch.Tensor | None = None  # set by loops that hit max_iterations
+    out_meta: dict[Node, list[TensorMeta]] = field(default_factory=dict)
+    keepalive: list[Any] = field(default_factory=list)
+    #: control-flow sites seen while validating: (kind, path, depth)
+    sites: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+class ControlFlowInterpreter(torch.fx.Interpreter):
+    """An FX interpreter that routes control flow through :data:`.handlers.HANDLERS`."""
+
+    def __init__(self, gm: GraphModule, ctx: LoweringContext, path: tuple[str, ...] = (), depth: int = 0):
+        super().__init__(gm, garbage_collect_values=False)
+        self.extra_traceback = False  # our errors already name the node; keep messages short
+        self.ctx = ctx
+        self.path = path
+        self.depth = depth
+        self._node: Node | None = None
+
+    # -- helpers for handlers ----------------------------------------------------
+    def where(self) -> str:
+        """``"while_loop 'while_loop' > body_fn > node 'cond'"`` -- the place being processed."""
+        parts = list(self.path)
+        if self._node is not None:
+            parts.append(f"node {self._node.name!r}")
+        return " > ".join(parts) or "program"
+
+    def keep(self, *values: Any) -> None:
+        """Keep tensors made during capture alive until the capture ends (the pool must not reuse them)."""
+        if self.ctx.phase is Phase.CAPTURE:
+            self.ctx.keepalive.extend(values)
+
+    def subgraph(self, fn: Any, args: tuple, label: str) -> tuple:
+        """Run a body/branch (a GraphModule, or any callable) one level down; outputs as a tuple."""
+        path = (*self.path, f"node {self._node.name!r}" if self._node is not None else "?", label)
+        if isinstance(fn, GraphModule):
+            out = ControlFlowInterpreter(fn, self.ctx, path, self.depth + 1).run(*args)
+        else:
+            out = fn(*args)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    # -- Interpreter overrides ---------------------------------------------------
+    def run_node(self, n: Node) -> Any:
+        self._node = n
+        try:
+            result = super().run_node(n)
+        except BranchyardError:
+            raise
+        except Exception as exc:
+            if self.ctx.phase is not Phase.VALIDATE:
+                raise
+            raise LoweringError(
+                f"cannot be lowered: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                where=self.where(),
+                hint="everything inside the program must run on the device without reading values on the host "
+                "(no .item(), no data-dependent shapes)",
+            ) from exc
+        if self.ctx.phase is Phase.CAPTURE:
+            self.ctx.keepalive.append(result)
+        elif self.ctx.phase is Phase.VALIDATE:
+            self._check_devices(n, result)
+        return result
+
+    def _check_devices(self, n: Node, result: Any) -> None:
+        device = self.ctx.device
+        if device is None or n.op == "output":
+            return
+        for leaf in pytree.tree_leaves(result):
+            if isinstance(leaf, torch.Tensor) and leaf.device != device:
+                raise LoweringError(
+                    f"produces a tensor on {leaf.device}; a CUDA graph only replays work on {device}",
+                    where=self.where(),
+                    hint="move inputs and parameters to the device and create tensors with device=<input>.device",
+                )
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        handler = handler_for(target)
+        if handler is None:
+            self._check_rng("call_function", target)
+            return super().call_function(target, args, kwargs)
+        unpacked = handler.unpack(args, kwargs)
+        if self.ctx.phase is Phase.VALIDATE:
+            self.ctx.sites.append((handler.name, self.where(), self.depth))
+        if self.ctx.phase is Phase.CAPTURE:
+            return handler.capture(self, self._node, *unpacked)
+        return handler.evaluate(self, self._node, *unpacked)
+
+    def call_method(self, target: str, args: tuple, kwargs: dict) -> Any:
+        self._check_rng("call_method", target)
+        return super().call_method(target, args, kwargs)
+
+    def _check_rng(self, op: str, target: Any) -> None:
+        if self.depth == 0 or self.ctx.phase is not Phase.VALIDATE or not _is_rng(op, target):
+            return
+        name = getattr(target, "__name__", str(target))
+        raise UnsupportedGraphError(
+            f"random op {name} inside a loop body or branch: a CUDA graph replays its RNG offset unchanged, "
+            "so every iteration would draw the same numbers",
+            where=self.where(),
+            hint="draw the random numbers outside the control flow and pass them in",
+        )
+
+
+# --------------------------------------------------------------------------- fallback warnings
+class CudaGraphFallbackWarning(UserWarning):
+    """The CUDA-graph lowering fell back to eager execution (the message says why)."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_fallback(reason: str) -> None:
+    """Warn once per distinct reason that the lowering runs eagerly."""
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(f"branchyard.lowering.cuda_graph runs the program eagerly: {reason}", CudaGraphFallbackWarning, stacklevel=3)
+
+
+# --------------------------------------------------------------------------- the module
+def _as_graph_module(program: Any) -> GraphModule:
+    if isinstance(program, torch.export.ExportedProgram):
+        return program.module()
+    if isinstance(program, GraphModule):
+        return program
+    raise LoweringError(
+        f"expected a torch.export.ExportedProgram or torch.fx.GraphModule, got {type(program).__name__}",
+        where="cuda_graph(program)",
+    )
+
+
+def _fake_inputs(inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def validate(gm: GraphModule, inputs: Sequence[Any], ctx: LoweringContext) -> Any:
+    """Run the VALIDATE phase on fake copies of ``inputs``; returns the fake outputs."""
+    ctx.phase = Phase.VALIDATE
+    mode, fakes = _fake_inputs(inputs)
+    for i, (node, x) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs)):
+        if isinstance(x, torch.Tensor) and ctx.device is not None and x.device != ctx.device:
+            raise LoweringError(
+                f"input {i} is on {x.device}; the program is lowered for {ctx.device}",
+                where=f"placeholder {node.name!r}",
+                hint="pass example inputs that live on the device",
+            )
+    with mode:
+        return ControlFlowInterpreter(gm, ctx).run(*fakes)
+
+
+class CudaGraphModule(torch.nn.Module):
+    """A program captured as ONE CUDA graph, control flow included.
+
+    Calling it copies the inputs into static buffers, replays the graph and
+    returns the outputs (cloned unless ``clone_outputs=False``, in which case
+    they are overwritten by the next call). Without CUDA, or where capture is
+    impossible, it runs the program eagerly and says why once
+    (:class:`CudaGraphFallbackWarning`); :attr:`lowered` tells which.
+    """
+
+    def __init__(
+        self,
+        program: Any,
+        example_inputs: Sequence[Any],
+        *,
+        max_iterations: int | None = None,
+        if_else: str = "auto",
+        clone_outputs: bool = True,
+    ):
+        super().__init__()
+        if if_else not in ("auto", "one_node", "two_nodes"):
+            raise LoweringError(f"if_else must be 'auto', 'one_node' or 'two_nodes', got {if_else!r}", where="cuda_graph")
+        if max_iterations is not None and (not isinstance(max_iterations, int) or max_iterations < 0):
+            raise LoweringError(f"max_iterations must be a non-negative int, got {max_iterations!r}", where="cuda_graph")
+        self.gm = _as_graph_module(program)
+        inputs = list(pytree.tree_leaves(tuple(example_inputs)))
+        self.clone_outputs = clone_outputs
+        self.fallback_reason: str | None = None
+        self.graph_nodes = None  # GraphNodeCount after capture, where the driver lets us read it
+        self.conditional_nodes: dict[str, int] = {}
+        self._example_meta = [(type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in inputs]
+
+        device = self._target_device(inputs)
+        self.ctx = LoweringContext(Phase.VALIDATE, device, max_iterations=max_iterations)
+        validate(self.gm, inputs, self.ctx)  # structural errors raise here, on any machine
+        self.sites = list(self.ctx.sites)
+        if device is None:
+            return self._fall_back(self._why_no_device(inputs))
+        from branchyard.lowering.cuda_graph.conditional_nodes import cuda_bindings_available
+
+        reason = cuda_bindings_available()
+        if reason:
+            return self._fall_back(reason)
+        try:
+            self._capture(inputs, if_else)
+        except Exception as exc:  # the environment refused; the program itself validated
+            self._fall_back(f"capture failed: {type(exc).__name__}: {exc}")
+
+    # -- setup ------------------------------------------------------------------------
+    @staticmethod
+    def _target_device(inputs: Sequence[Any]) -> torch.device | None:
+        if not torch.cuda.is_available():
+            return None
+        devices = {x.device for x in inputs if isinstance(x, torch.Tensor)}
+        cuda = sorted((d for d in devices if d.type == "cuda"), key=str)
+        if cuda:
+            return cuda[0]
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @staticmethod
+    def _why_no_device(inputs: Sequence[Any]) -> str:
+        return "torch.cuda.is_available() is False (no CUDA device)"
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback_reason = reason
+        warn_fallback(reason)
+
+    @property
+    def lowered(self) -> bool:
+        """True when calls replay a CUDA graph, False when they run eagerly."""
+        return self.fallback_reason is None
+
+    def _capture(self, inputs: list[Any], if_else: str) -> None:
+        from branchyard.lowering.cuda_graph.conditional_nodes import ConditionalBuilder, count_graph_nodes
+
+        ctx, device = self.ctx, self.ctx.device
+        self._static_inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        # WARMUP: every body and branch once, on a side stream as torch recommends before capture.
+        ctx.phase = Phase.WARMUP
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+
+        builder = ConditionalBuilder(device)
+        ctx.builder = builder
+        ctx.if_else_one_node = {"auto": builder.if_else_in_one_node, "one_node": True, "two_nodes": False}[if_else]
+        try:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            keep = True
+        except TypeError:  # torch without keep_graph: no node counts
+            graph, keep = torch.cuda.CUDAGraph(), False
+        ctx.phase = Phase.CAPTURE
+        ctx.keepalive = []
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            if ctx.max_iterations is not None:
+                ctx.exhausted = torch.zeros((), dtype=torch.bool, device=device)
+            outputs = ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
+        if keep:
+            from cuda.bindings import driver
+
+            self.graph_nodes = count_graph_nodes(driver.CUgraph(graph.raw_cuda_graph()), builder.bodies_of)
+            graph.instantiate()
+        self.conditional_nodes = dict(builder.nodes_added)
+        self._graph, self._builder, self._outputs = graph, builder, outputs
+        self._keepalive = ctx.keepalive  # body temporaries live in the pool as long as the graph
+        ctx.keepalive = []
+
+    # -- calls ----------------------------------------------------------------------------
+    def forward(self, *args: Any) -> Any:
+        flat = list(pytree.tree_leaves(args))
+        if not self.lowered:
+            return self.gm(*args)
+        if len(flat) != len(self._static_inputs):
+            raise LoweringError(f"expected {len(self._static_inputs)} inputs, got {len(flat)}", where="CudaGraphModule call")
+        for i, (buf, x) in enumerate(zip(self._static_inputs, flat)):
+            if isinstance(buf, torch.Tensor):
+                if not isinstance(x, torch.Tensor) or x.shape != buf.shape or x.dtype != buf.dtype:
+                    raise LoweringError(
+                        f"input {i} is {tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', type(x).__name__)}, "
+                        f"the graph was captured for {tuple(buf.shape)} {buf.dtype}",
+                        where="CudaGraphModule call",
+                        hint="lower the program again for new shapes (a CUDA graph has static shapes)",
+                    )
+                if x.data_ptr() != buf.data_ptr():
+                    buf.copy_(x)
+            elif x != buf:
+                raise LoweringError(
+                    f"input {i} is {x!r}, the graph was captured for the constant {buf!r}", where="CudaGraphModule call"
+                )
+        self._graph.replay()
+        if not self.clone_outputs:
+            return self._outputs
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._outputs)
+
+    def iterations_exhausted(self) -> bool:
+        """Whether the last call stopped some while_loop at ``max_iterations`` (reads the device: syncs)."""
+        if self.ctx.exhausted is None:
+            return False
+        return bool(self.ctx.exhausted.item())

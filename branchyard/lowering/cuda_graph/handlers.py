@@ -1,0 +1,351 @@
+"""The control-flow handlers of the CUDA-graph lowering, as one table.
+
+Each higher-order operator the lowering understands has one
+:class:`ControlFlowHandler`: how its FX arguments unpack, how it is *evaluated*
+(checked and run once per body, on fake tensors while validating and on real
+ones while warming up) and how it is *captured* into a conditional node::
+
+    while_loop(cond_fn, body_fn, carried, additional)
+        evaluate: check carries and predicate; run cond_fn, body_fn, cond_fn once
+        capture:  set(h, cond_fn(*bufs)); WHILE(h) { bufs = body_fn(*bufs); set(h, cond_fn(*bufs)) }
+    cond(pred, true_fn, false_fn, operands)
+        evaluate: check predicate; run both branches; branch outputs must agree
+        capture:  set(h, pred); IF/ELSE(h) { outs = true_fn(...) } { outs = false_fn(...) }
+                  (or two IF nodes on drivers older than CUDA 12.8)
+    switch(index, branches, operands)
+        evaluate: check index; run every branch; branch outputs must agree
+        capture:  set(h, clamp(index, 0, n - 1)); SWITCH(h) { outs = branches[0](...) } ... { branches[n-1] }
+
+Semantics, as Python, that the capture reproduces on the device::
+
+    def while_loop(cond_fn, body_fn, carried, additional):
+        while cond_fn(*carried, *additional):          # at most max_iterations times
+            carried = body_fn(*carried, *additional)
+        return carried
+
+    def switch(index, branches, operands):
+        return branches[min(max(int(index), 0), len(branches) - 1)](*operands)
+
+:func:`switch` is that reference, usable as an FX ``call_function`` target on
+torch versions without ``torch.ops.higher_order.switch`` (torch < 2.14): the
+table maps both to the same handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from branchyard.errors import LoweringError, MalformedGraphError, UnsupportedGraphError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter
+
+__all__ = ["ControlFlowHandler", "HANDLERS", "handler_for", "switch", "TensorMeta"]
+
+
+def switch(index: torch.Tensor | int, branches: Sequence[Callable], operands: Sequence[Any]) -> tuple:
+    """Run ``branches[clamp(index, 0, len(branches) - 1)](*operands)``.
+
+    The semantics of ``torch.ops.higher_order.switch`` as plain Python (it
+    syncs the host to read ``index``). Put it in an FX graph as a
+    ``call_function`` node to get a SWITCH node on torch versions that lack
+    the switch operator::
+
+        >>> import torch
+        >>> switch(torch.tensor(7), [lambda x: (x + 1,), lambda x: (x * 10,)], (torch.tensor(2),))
+        (tensor(20),)
+    """
+    if not branches:
+        raise MalformedGraphError("switch needs at least one branch", where="switch")
+    i = int(index.reshape(()).item()) if isinstance(index, torch.Tensor) else int(index)
+    out = branches[min(max(i, 0), len(branches) - 1)](*operands)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a static output buffer needs: shape, strides, dtype."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()), t.dtype)
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+
+
+# --------------------------------------------------------------------------- checks
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    return f"a {type(value).__name__} ({value!r})"
+
+
+def check_predicate(interp: "ControlFlowInterpreter", value: Any, what: str) -> torch.Tensor:
+    """A predicate must be a 0-d bool tensor on the lowering's device."""
+    if isinstance(value, (tuple, list)) and len(value) == 1:
+        value = value[0]
+    device = interp.ctx.device
+    ok = isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 0
+    if ok and device is not None and value.device != device:
+        ok = False
+    if not ok:
+        raise LoweringError(
+            f"{what} must be a 0-d bool tensor on {device or 'the device'}, got {_describe(value)}",
+            where=interp.where(),
+            hint="compute the predicate with tensor ops (e.g. (x.sum() > 0)) so the device can read it at replay",
+        )
+    return value
+
+
+def check_index(interp: "ControlFlowInterpreter", value: Any) -> None:
+    if isinstance(value, int):
+        return
+    device = interp.ctx.device
+    ok = (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not value.dtype.is_floating_point
+        and not value.dtype.is_complex
+        and value.dtype != torch.bool
+    )
+    if ok and device is not None and value.device != device:
+        ok = False
+    if not ok:
+        raise LoweringError(
+            f"switch index must be an int or a one-element integer tensor on {device or 'the device'}, got {_describe(value)}",
+            where=interp.where(),
+        )
+
+
+def check_same_outputs(interp: "ControlFlowInterpreter", outs: list[tuple], labels: list[str]) -> list[TensorMeta]:
+    """Every branch must return the same number of tensors with equal shapes and dtypes."""
+    first = outs[0]
+    for out, label in zip(outs, labels):
+        for i, o in enumerate(out):
+            if not isinstance(o, torch.Tensor):
+                raise UnsupportedGraphError(
+                    f"{label} output {i} is {_describe(o)}; only tensor outputs can be written to static buffers",
+                    where=interp.where(),
+                )
+        if len(out) != len(first) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(out, first)
+        ):
+            raise MalformedGraphError(
+                f"{label} returns {[_describe(o) for o in out]} but {labels[0]} returns {[_describe(o) for o in first]}",
+                where=interp.where(),
+                hint="all branches must return tensors of the same shapes and dtypes",
+            )
+    return [TensorMeta.of(o) for o in first]
+
+
+def _as_tuple(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+# --------------------------------------------------------------------------- while_loop
+def _while_unpack(args: tuple, kwargs: dict) -> tuple:
+    # torch >= 2.14 adds a keyword mutated_arg_indices; functional graphs leave it empty.
+    if kwargs.get("mutated_arg_indices"):
+        raise UnsupportedGraphError(
+            f"while_loop mutates its inputs (mutated_arg_indices={kwargs['mutated_arg_indices']!r})",
+            hint="lower a functionalized graph (torch.export output) instead",
+        )
+    cond_fn, body_fn, carried, additional = args
+    return cond_fn, body_fn, tuple(carried), tuple(additional)
+
+
+def _while_evaluate(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:
+    for i, c in enumerate(carried):
+        if not isinstance(c, torch.Tensor):
+            raise UnsupportedGraphError(
+                f"loop carry {i} is {_describe(c)}; only tensors can be carried through a WHILE node",
+                where=interp.where(),
+                hint="carry a 0-d tensor instead of a Python number",
+            )
+    check_predicate(interp, interp.subgraph(cond_fn, (*carried, *additional), "cond_fn"), "while_loop cond_fn's result")
+    outs = interp.subgraph(body_fn, (*carried, *additional), "body_fn")
+    if len(outs) != len(carried):
+        raise MalformedGraphError(
+            f"body_fn returns {len(outs)} values for {len(carried)} loop carries", where=interp.where()
+        )
+    for i, (o, c) in enumerate(zip(outs, carried)):
+        if not isinstance(o, torch.Tensor) or o.shape != c.shape or o.dtype != c.dtype or o.device != c.device:
+            raise UnsupportedGraphError(
+                f"loop carry {i} enters as {_describe(c)} but body_fn returns {_describe(o)}",
+                where=interp.where(),
+                hint="a WHILE node reuses one buffer per carry, so carries must keep shape, dtype and device",
+            )
+    # One more predicate on the body's result warms the loop-exit path too.
+    check_predicate(interp, interp.subgraph(cond_fn, (*outs, *additional), "cond_fn"), "while_loop cond_fn's result")
+    return tuple(outs)
+
+
+def _aliases(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(ptr == o.untyped_storage().data_ptr() for o in others)
+
+
+def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:
+    from branchyard.lowering.cuda_graph.conditional_nodes import CondKind
+
+    ctx, b = interp.ctx, interp.ctx.builder
+    bufs = [c.clone() for c in carried]  # one static buffer per carry; never write the inputs
+    limit = ctx.max_iterations
+    count = torch.zeros((), dtype=torch.int64, device=ctx.device) if limit is not None else None
+    interp.keep(bufs, count)
+
+    def predicate() -> torch.Tensor:
+        p = interp.subgraph(cond_fn, (*bufs, *additional), "cond_fn")[0]
+        if count is not None:
+            p = torch.logical_and(p, count < limit)
+        interp.keep(p)
+        return p
+
+    handle = b.new_handle()
+    b.set_from_bool((handle,), predicate())
+    (body,) = b.add_node(CondKind.WHILE, handle, 1)
+    with b.capture_into(body):
+        outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn"))
+        # A carry returned in another carry's slot (a swap) must be read before it is overwritten.
+        for i, o in enumerate(outs):
+            others = [buf for j, buf in enumerate(bufs) if j != i]
+            if _aliases(o, others):
+                outs[i] = o.clone()
+        interp.keep(outs)
+        for buf, o in zip(bufs, outs):
+            if not (o.data_ptr() == buf.data_ptr() and o.stride() == buf.stride()):
+                buf.copy_(o)
+        if count is not None:
+            count.add_(1)
+        b.set_from_bool((handle,), predicate())
+    if count is not None:
+        raw = interp.subgraph(cond_fn, (*bufs, *additional), "cond_fn")[0]
+        ctx.exhausted.logical_or_(torch.logical_and(raw, count >= limit))
+        interp.keep(raw)
+    return tuple(bufs)
+
+
+# --------------------------------------------------------------------------- cond
+def _cond_unpack(args: tuple, kwargs: dict) -> tuple:
+    pred, true_fn, false_fn, operands = args
+    return pred, true_fn, false_fn, tuple(operands)
+
+
+def _cond_evaluate(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, false_fn, operands) -> tuple:
+    check_predicate(interp, pred, "cond predicate")
+    outs = [interp.subgraph(true_fn, operands, "true_fn"), interp.subgraph(false_fn, operands, "false_fn")]
+    interp.ctx.out_meta[node] = check_same_outputs(interp, outs, ["true_fn", "false_fn"])
+    return outs[0]
+
+
+def _fill(interp: "ControlFlowInterpreter", fn: Any, operands: tuple, outs: list[torch.Tensor], label: str) -> None:
+    results = interp.subgraph(fn, operands, label)
+    for out, r in zip(outs, results):
+        out.copy_(r)
+
+
+def _cond_capture(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, false_fn, operands) -> tuple:
+    from branchyard.lowering.cuda_graph.conditional_nodes import CondKind
+
+    ctx, b = interp.ctx, interp.ctx.builder
+    outs = [m.empty(ctx.device) for m in ctx.out_meta[node]]
+    interp.keep(outs)
+    if ctx.if_else_one_node:
+        handle = b.new_handle()
+        b.set_from_bool((handle,), pred)
+        then_body, else_body = b.add_node(CondKind.IF, handle, 2)
+        with b.capture_into(then_body):
+            _fill(interp, true_fn, operands, outs, "true_fn")
+        with b.capture_into(else_body):
+            _fill(interp, false_fn, operands, outs, "false_fn")
+    else:
+        h_then, h_else = b.new_handle(), b.new_handle()
+        b.set_from_bool((h_then, h_else), pred)
+        for handle, fn, label in ((h_then, true_fn, "true_fn"), (h_else, false_fn, "false_fn")):
+            (body,) = b.add_node(CondKind.IF, handle, 1)
+            with b.capture_into(body):
+                _fill(interp, fn, operands, outs, label)
+    return tuple(outs)
+
+
+# --------------------------------------------------------------------------- switch
+def _switch_unpack(args: tuple, kwargs: dict) -> tuple:
+    index, branches, operands = args
+    return index, tuple(branches), tuple(operands)
+
+
+def _switch_evaluate(interp: "ControlFlowInterpreter", node: Any, index, branches, operands) -> tuple:
+    check_index(interp, index)
+    if not branches:
+        raise MalformedGraphError("switch needs at least one branch", where=interp.where())
+    labels = [f"branch {i}" for i in range(len(branches))]
+    outs = [interp.subgraph(fn, operands, label) for fn, label in zip(branches, labels)]
+    interp.ctx.out_meta[node] = check_same_outputs(interp, outs, labels)
+    return outs[0]
+
+
+def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches, operands) -> tuple:
+    from branchyard.lowering.cuda_graph.conditional_nodes import CondKind
+
+    n = len(branches)
+    if isinstance(index, int) or n == 1:
+        # A constant index (or one branch) selects at lowering time: no node needed.
+        i = min(max(int(index), 0), n - 1) if isinstance(index, int) else 0
+        return interp.subgraph(branches[i], operands, f"branch {i}")
+    ctx, b = interp.ctx, interp.ctx.builder
+    outs = [m.empty(ctx.device) for m in ctx.out_meta[node]]
+    idx = index.reshape(()).to(torch.int64)
+    interp.keep(outs, idx)
+    handle = b.new_handle()
+    b.set_from_index(handle, idx, n)
+    bodies = b.add_node(CondKind.SWITCH, handle, n)
+    for i, (body, fn) in enumerate(zip(bodies, branches)):
+        with b.capture_into(body):
+            _fill(interp, fn, operands, outs, f"branch {i}")
+    return tuple(outs)
+
+
+# --------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class ControlFlowHandler:
+    """How one control-flow operator is unpacked, evaluated and captured."""
+
+    name: str
+    unpack: Callable[[tuple, dict], tuple]
+    evaluate: Callable[..., tuple]
+    capture: Callable[..., tuple]
+    #: conditional nodes one execution adds: (kind, count); cond's count depends on the driver
+    node_kind: str
+
+
+HANDLERS: dict[str, ControlFlowHandler] = {
+    h.name: h
+    for h in (
+        ControlFlowHandler("while_loop", _while_unpack, _while_evaluate, _while_capture, "WHILE"),
+        ControlFlowHandler("cond", _cond_unpack, _cond_evaluate, _cond_capture, "IF"),
+        ControlFlowHandler("switch", _switch_unpack, _switch_evaluate, _switch_capture, "SWITCH"),
+    )
+}
+
+#: Plain Python callables that stand for a higher-order operator.
+_ALIASES: dict[Callable, str] = {switch: "switch"}
+
+
+def handler_for(target: Any) -> ControlFlowHandler | None:
+    """The handler of an FX ``call_function`` target, or ``None`` for ordinary ops."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        # Other HOPs (wrap_with_set_grad_enabled, invoke_subgraph, ...) run as ordinary ops.
+        return HANDLERS.get(target.name())
+    try:
+        alias = _ALIASES.get(target)
+    except TypeError:  # unhashable target
+        return None
+    return HANDLERS[alias] if alias else None

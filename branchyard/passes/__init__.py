@@ -28,3 +28,9 @@ __all__ = [
     "get_pass",
     "register_pass",
 ]
+
+# cond <-> switch passes (importing registers them by CLI name).
+from branchyard.passes.cond_to_switch import CondToSwitch, CondTree, cond_to_switch, find_cond_trees  # noqa: E402
+from branchyard.passes.switch_to_cond import SwitchToCond, switch_to_cond  # noqa: E402
+
+__all__ += ["CondToSwitch", "CondTree", "cond_to_switch", "find_cond_trees", "SwitchToCond", "switch_to_cond"]

@@ -1,0 +1,296 @@
+"""``cond-to-switch``: replace each maximal tree of nested ``torch.cond`` by
+one ``torch.ops.higher_order.switch`` over the tree's leaves.
+
+Postcondition: no cond tree of depth >= 2 is left in the graph or its
+subgraphs; each became one switch whose branches are the tree's distinct
+leaves, whose operands are the leaves' outer inputs each passed once, and
+whose index is always in range.
+
+Before (``idx == 0 ? a : (idx == 1 ? b : c)`` as export traces it)::
+
+    cond = cond(eq_0, true_graph_0, false_graph_0, (x, w, idx))
+    # false_graph_0(x, w, idx):
+    #     eq_1 = idx == 1
+    #     cond = cond(eq_1, true_graph_0, false_graph_0, (x, w))
+    #     return (cond[0],)
+
+After::
+
+    clamp = aten.clamp(idx, -1, 2)
+    remainder = aten.remainder(clamp, 3)          # dispatch chain: the index is idx itself
+    switch = switch(remainder, [branch0, branch1, branch2], (x, w))
+
+Semantics, as Python (``pred_k`` are the tree's predicates, hoisted out of
+the branches that computed them; ``leaf_of`` walks the tree)::
+
+    def before(*operands):                       # the nested conds
+        return leaf_of(pred_0, pred_1, ...)(*operands)
+
+    def after(*operands):
+        index = branch_of[leaf_number(pred_0, pred_1, ...)]   # nested where()s
+        return branches[index](*deduplicated(operands))
+
+    # For a dispatch chain on ``idx`` with contiguous constants lo .. lo+n-1:
+    index = (clamp(idx - lo, -1, n)) % (n + 1)   # out-of-range -> n, the fall-through
+
+The switch higher-order op indexes its branches directly (only the user
+facing ``torch.switch`` clamps), so the index this pass builds reproduces
+the chain's fall-through for every input, negatives and values >= n
+included. See ``docs/passes.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from branchyard._compat import switch_op
+from branchyard.errors import BranchyardError
+from branchyard.passes.cond_tree import CondTree, _Cond, _Plan, _Sub, analyze_cond_tree, find_cond_trees
+from branchyard.passes.control_flow import (
+    AttrSink,
+    emit,
+    erase_dead_inputs,
+    inline_graph,
+    is_cond,
+    node_value,
+)
+from branchyard.passes.infra import BranchyardPass, Program, apply_pass, lint_graph_module, register_pass
+
+__all__ = ["CondToSwitch", "cond_to_switch", "find_cond_trees", "CondTree", "inductor_pre_grad_pass"]
+
+aten = torch.ops.aten
+
+#: Which ``where`` overload selects between two index values, by whether
+#: each side is a node (True) or an int constant (False).
+_WHERE = {
+    (False, False): aten.where.Scalar,
+    (True, False): aten.where.ScalarOther,
+    (False, True): aten.where.ScalarSelf,
+    (True, True): aten.where.self,
+}
+
+_STATS = ("cond_trees", "conds_removed", "switches_created", "leaves", "branches_after_dedup",
+          "operands_before", "operands_after", "dispatch_index", "general_index")
+
+
+class _Hoister:
+    """Copies predicate slices out of branch graphs into the owner graph
+    (at its current insertion point), each node once."""
+
+    def __init__(self, owner: GraphModule) -> None:
+        self.graph = owner.graph
+        self._memo: dict[tuple[int, Node], Any] = {}
+
+    def __call__(self, node: Any, sub: _Sub | None) -> Any:
+        while isinstance(node, Node) and sub is not None and node.op == "placeholder":
+            parent = sub.parent
+            node = parent.parts.operands[sub.phs.index(node)]
+            sub = parent.home
+        if not isinstance(node, Node) or sub is None:
+            return node
+        key = (id(sub), node)
+        if key not in self._memo:
+            self._memo[key] = self.graph.node_copy(node, lambda a: self(a, sub))
+        return self._memo[key]
+
+
+def _general_index(plan: _Plan, hoist: _Hoister, like: Node) -> Any:
+    """Nested ``where``s over the hoisted predicates mapping each leaf to
+    its branch; subtrees whose leaves share one branch fold to a constant."""
+    leaf_pos = {id(leaf): i for i, leaf in enumerate(plan.leaves)}
+    graph = hoist.graph
+
+    def index_of(cond: _Cond) -> Any:
+        sides = []
+        for side in (True, False):
+            sub = cond.child(side)
+            sides.append(plan.branch_of_leaf[leaf_pos[id(sub)]] if sub.nested is None else index_of(sub.nested))
+        t, f = sides
+        if not isinstance(t, Node) and not isinstance(f, Node) and t == f:
+            return t
+        pred = hoist(cond.parts.pred, cond.home)
+        return emit(graph, _WHERE[(isinstance(t, Node), isinstance(f, Node))], (pred, t, f), like=like)
+
+    return index_of(plan.root)
+
+
+def _dispatch_index(plan: _Plan, hoist: _Hoister, like: Node) -> Node:
+    """``clamp(idx - lo, -1, n) % (n + 1)``: idx in [lo, lo+n) -> idx - lo, anything else -> n."""
+    chain = plan.dispatch
+    assert chain is not None
+    graph = hoist.graph
+    x = hoist(chain.value, chain.value_home)
+    lo, n = min(chain.constants), len(chain.constants)
+    if node_value(x).dtype != torch.int64:
+        # Widen first so that idx - lo cannot wrap inside a narrow dtype.
+        x = emit(graph, aten._to_copy.default, (x,), {"dtype": torch.int64}, like=like)
+    if lo != 0:
+        # Overflow at the int64 extremes moves the value far outside [0, n): still the fall-through.
+        x = emit(graph, aten.sub.Scalar, (x, lo), like=like)
+    x = emit(graph, aten.clamp.default, (x, -1, n), like=like)
+    return emit(graph, aten.remainder.Scalar, (x, n + 1), like=like)
+
+
+def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
+    """Replace ``tree.root`` by one switch (or, when every leaf is identical, by the leaf itself)."""
+    plan, owner, root = tree._plan, tree.owner, tree.root
+    assert plan is not None
+    graph = owner.graph
+    sink = AttrSink(owner)
+    if plan.dispatch_order is not None:
+        branch_leaves = plan.dispatch_order
+    else:
+        branch_leaves = plan.branch_reps
+    with graph.inserting_before(root):
+        if len(branch_leaves) == 1:
+            # Every leaf computes the same function: no choice left to make.
+            leaf = plan.leaf_graphs[branch_leaves[0]]
+            gm = GraphModule(plan.sinks[branch_leaves[0]].attrs, leaf)
+            outs = inline_graph(graph, gm, plan.operands, sink)
+            result: Any = None
+            for user in list(root.users):
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+        else:
+            hoist = _Hoister(owner)
+            if plan.dispatch is not None:
+                index = _dispatch_index(plan, hoist, root)
+            else:
+                index = _general_index(plan, hoist, root)
+            attrs = []
+            for b, leaf_i in enumerate(branch_leaves):
+                gm = GraphModule(plan.sinks[leaf_i].attrs, plan.leaf_graphs[leaf_i])
+                name = sink.add(f"{root.name}_branch{b}", gm)
+                attrs.append(graph.get_attr(name))
+            result = graph.call_function(switch_op(), (index, attrs, tuple(plan.operands)))
+            result.meta = {k: v for k, v in root.meta.items() if k in ("val", "example_value", "stack_trace", "nn_module_stack")}
+    if result is not None:
+        root.replace_all_uses_with(result)
+    graph.erase_node(root)
+    erase_dead_inputs(graph, [plan.root.parts.pred, *plan.root.parts.operands])
+    for attr in (plan.root.parts.true_attr, plan.root.parts.false_attr):
+        if not attr.users:
+            dead_attrs.add(str(attr.target))
+            graph.erase_node(attr)
+
+
+@register_pass("cond_to_switch")
+class CondToSwitch(BranchyardPass):
+    """Flatten every maximal nested-cond tree into one switch (see the module docstring)."""
+
+    name = "cond-to-switch"
+
+    def run(self, graph_module: GraphModule) -> bool:
+        lint_graph_module(graph_module)
+        for key in _STATS:
+            self.report.stats[key] = 0
+        switch_op()  # fail early and clearly on a torch without switch
+        return self._process(graph_module, set())
+
+    def _process(self, gm: GraphModule, seen: set[int]) -> bool:
+        if id(gm) in seen:
+            return False
+        seen.add(id(gm))
+        changed = False
+        dead_attrs: set[str] = set()
+        for node in list(gm.graph.nodes):
+            if not is_cond(node):
+                continue
+            tree = analyze_cond_tree(gm, node, self.skip)
+            if isinstance(tree, str):
+                self.skip(node, tree)
+                continue
+            _rewrite(tree, dead_attrs)
+            self._count(tree)
+            changed = True
+        if dead_attrs:
+            live = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+            for name in dead_attrs - live:
+                delattr(gm, name)
+        for child in list(gm.children()):
+            if isinstance(child, GraphModule):
+                changed |= self._process(child, seen)
+        return changed
+
+    def _count(self, tree: CondTree) -> None:
+        plan = tree._plan
+        assert plan is not None
+        s = self.report.stats
+        s["cond_trees"] += 1
+        s["conds_removed"] += len(plan.conds)
+        s["switches_created"] += int(tree.num_unique_leaves > 1)
+        s["leaves"] += tree.num_leaves
+        s["branches_after_dedup"] += tree.num_unique_leaves
+        s["operands_before"] += tree.operands_before
+        s["operands_after"] += tree.operands_after
+        s["dispatch_index" if tree.index_form == "dispatch" else "general_index"] += 1
+
+    @classmethod
+    def as_inductor_pre_grad_pass(cls) -> Any:
+        """A ``torch._inductor.config.pre_grad_custom_pass`` value running this pass.
+
+        >>> import torch
+        >>> torch._inductor.config.pre_grad_custom_pass = CondToSwitch.as_inductor_pre_grad_pass()
+        >>> torch._inductor.config.pre_grad_custom_pass = None
+        """
+        return inductor_pre_grad_pass
+
+
+def cond_to_switch(program: Program) -> Program:
+    """Function form of :class:`CondToSwitch`: a rewritten copy of ``program``
+    (an ExportedProgram or a GraphModule; the result is of the same kind).
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> def f(i, x):
+    ...     inner = lambda x, i: torch.cond(i == 1, lambda x: x + 1, lambda x: x - 1, (x,))
+    ...     return torch.cond(i == 0, lambda x, i: x * 2, inner, (x, i))
+    >>> gm = cond_to_switch(make_fx(f)(torch.tensor(0), torch.randn(3)))
+    >>> [n.target.name() for n in gm.graph.nodes if isinstance(n.target, torch._ops.HigherOrderOperator)]
+    ['switch']
+    >>> [gm(torch.tensor(i), torch.ones(2)).tolist() for i in (-1, 0, 1, 2)]
+    [[0.0, 0.0], [2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
+    """
+    return apply_pass(program, CondToSwitch())
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in ("cond_to_switch.py", "cond_tree.py", "control_flow.py", "leaf_dedup.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def _make_inductor_pass() -> Callable[[torch.fx.Graph], None]:
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # pragma: no cover - very old torch
+        CustomGraphPass = object  # type: ignore[assignment,misc]
+
+    class _CondToSwitchPreGrad(CustomGraphPass):  # type: ignore[misc,valid-type]
+        """Inductor pre-grad custom pass running :class:`CondToSwitch` in place.
+
+        Implements ``uuid()`` (a hash of the pass sources) so Inductor can
+        cache graphs compiled with it.
+        """
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            gm = graph.owning_module
+            if gm is None:
+                raise BranchyardError("pre-grad graph has no owning GraphModule; cannot reach its cond subgraphs")
+            CondToSwitch()(gm)
+
+        def uuid(self) -> str:
+            return _source_hash()
+
+    return _CondToSwitchPreGrad()
+
+
+#: Ready-made value for ``torch._inductor.config.pre_grad_custom_pass``.
+inductor_pre_grad_pass = _make_inductor_pass()

@@ -1,0 +1,390 @@
+"""Reading and building control-flow higher-order-op nodes in FX graphs.
+
+One place that knows the graph form of ``torch.ops.higher_order.cond`` and
+``torch.ops.higher_order.switch`` as produced by ``torch.export``, ``make_fx``
+and Dynamo::
+
+    true_graph_0 = self.true_graph_0                       # get_attr
+    cond = torch.ops.higher_order.cond(pred, true_graph_0, false_graph_0, (x, y))
+    getitem = cond[0]
+
+    branch0 = self.branch0                                 # get_attr, one per branch
+    switch = torch.ops.higher_order.switch(index, [branch0, branch1, ...], (x, y))
+    getitem = switch[0]
+
+:func:`cond_parts` / :func:`switch_parts` take such a node apart and validate
+it, raising :class:`~branchyard.errors.MalformedGraphError` naming the node
+(branches that are not graphs, operands that are not tensors or ints, branch
+outputs that disagree in count, dtype or shape, a switch with no branches).
+:func:`emit` creates a new node and fills its ``val`` / ``example_value`` meta
+by running the op on the fake values of its inputs, so rewritten export
+graphs keep the metadata the verifier and later passes rely on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch._ops import HigherOrderOperator
+from torch.fx import Graph, GraphModule, Node
+
+from branchyard._compat import HAS_SWITCH
+from branchyard.errors import MalformedGraphError
+
+__all__ = [
+    "COND",
+    "SWITCH",
+    "is_cond",
+    "is_switch",
+    "node_value",
+    "CondParts",
+    "SwitchParts",
+    "cond_parts",
+    "switch_parts",
+    "graph_outputs",
+    "emit",
+    "fake_mode_of",
+    "fresh_attr_name",
+    "describe_node",
+    "placeholders",
+    "AttrSink",
+    "resolve_attr",
+    "inline_graph",
+    "erase_dead_inputs",
+]
+
+COND: HigherOrderOperator = torch.ops.higher_order.cond
+SWITCH: HigherOrderOperator | None = torch.ops.higher_order.switch if HAS_SWITCH else None
+
+
+def is_cond(node: Node) -> bool:
+    """Whether ``node`` calls ``torch.ops.higher_order.cond``."""
+    return node.op == "call_function" and node.target is COND
+
+
+def is_switch(node: Node) -> bool:
+    """Whether ``node`` calls ``torch.ops.higher_order.switch`` (never true before torch 2.14)."""
+    return SWITCH is not None and node.op == "call_function" and node.target is SWITCH
+
+
+def describe_node(node: Node) -> str:
+    """``node 'name'`` plus the graph it lives in, for error messages."""
+    return f"node '{node.name}'"
+
+
+def node_value(node: Any) -> Any:
+    """The example value of ``node``: ``meta['val']`` (export, make_fx) or
+    ``meta['example_value']`` (Dynamo); a literal stands for itself; None if unknown."""
+    if not isinstance(node, Node):
+        return node
+    if "val" in node.meta:
+        return node.meta["val"]
+    return node.meta.get("example_value")
+
+
+def _value_key(node: Node) -> str:
+    return "example_value" if "example_value" in node.meta and "val" not in node.meta else "val"
+
+
+def graph_outputs(gm: GraphModule) -> list[Any]:
+    """The flat list of values ``gm``'s output node returns."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    ret = out.args[0]
+    return list(ret) if isinstance(ret, (tuple, list)) else [ret]
+
+
+def _resolve_subgraph(owner: GraphModule, arg: Any, node: Node, what: str) -> GraphModule:
+    if not (isinstance(arg, Node) and arg.op == "get_attr"):
+        raise MalformedGraphError(
+            f"{what} is {arg!r}, expected a get_attr of a GraphModule",
+            where=describe_node(node),
+        )
+    obj: Any = owner
+    for part in str(arg.target).split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, GraphModule):
+        raise MalformedGraphError(
+            f"{what} '{arg.target}' is {type(obj).__name__}, not a torch.fx.GraphModule",
+            where=describe_node(node),
+        )
+    return obj
+
+
+def _check_operands(node: Node, operands: Sequence[Any]) -> None:
+    for i, op in enumerate(operands):
+        if isinstance(op, Node):
+            val = node_value(op)
+            if val is None or isinstance(val, (torch.Tensor, torch.SymInt, int)) and not isinstance(val, bool):
+                continue
+            kind = type(val).__name__
+        elif isinstance(op, int) and not isinstance(op, bool):
+            continue
+        else:
+            kind = type(op).__name__
+        raise MalformedGraphError(
+            f"operand {i} is a {kind}; cond/switch operands must be tensors or ints",
+            where=describe_node(node),
+            hint="pass the value as a tensor, or close over it inside the branch",
+        )
+
+
+def placeholders(gm: GraphModule) -> list[Node]:
+    """The placeholder nodes of ``gm``, in order."""
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _check_arity(node: Node, gms: Sequence[GraphModule], labels: Sequence[str], n_operands: int) -> None:
+    for gm, label in zip(gms, labels):
+        n = len(placeholders(gm))
+        if n != n_operands:
+            raise MalformedGraphError(
+                f"{label} takes {n} inputs but the node passes {n_operands} operands",
+                where=describe_node(node),
+            )
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    # Symbolic sizes may legitimately differ between branches (torch merges
+    # them into an unbacked symbol); only two concrete, different ints disagree.
+    return not (isinstance(a, int) and isinstance(b, int) and a != b)
+
+
+def _check_branch_outputs(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> None:
+    ref = [node_value(v) for v in graph_outputs(branches[0])]
+    for gm, label in zip(branches[1:], labels[1:]):
+        outs = [node_value(v) for v in graph_outputs(gm)]
+        if len(outs) != len(ref):
+            raise MalformedGraphError(
+                f"{labels[0]} returns {len(ref)} outputs but {label} returns {len(outs)}",
+                where=describe_node(node),
+                hint="every branch must return the same number of tensors",
+            )
+        for i, (a, b) in enumerate(zip(ref, outs)):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                continue
+            if a.dtype != b.dtype:
+                raise MalformedGraphError(
+                    f"output {i} is {a.dtype} in {labels[0]} but {b.dtype} in {label}",
+                    where=describe_node(node),
+                    hint="branches must agree in dtype; cast inside the branch",
+                )
+            if a.dim() != b.dim() or not all(_same_size(x, y) for x, y in zip(a.shape, b.shape)):
+                raise MalformedGraphError(
+                    f"output {i} has shape {tuple(a.shape)} in {labels[0]} but {tuple(b.shape)} in {label}",
+                    where=describe_node(node),
+                    hint="branches must agree in shape",
+                )
+
+
+@dataclass(frozen=True)
+class CondParts:
+    """A validated ``cond`` node: predicate, both branch graphs, operands."""
+
+    node: Node
+    pred: Any
+    true_gm: GraphModule
+    false_gm: GraphModule
+    true_attr: Node
+    false_attr: Node
+    operands: tuple[Any, ...]
+
+    def branch(self, side: bool) -> GraphModule:
+        """The true (``side=True``) or false branch graph."""
+        return self.true_gm if side else self.false_gm
+
+
+def cond_parts(owner: GraphModule, node: Node) -> CondParts:
+    """Take the cond ``node`` of ``owner`` apart; raise MalformedGraphError if it is ill-formed."""
+    if len(node.args) != 4 or node.kwargs:
+        raise MalformedGraphError(
+            f"cond takes (pred, true_fn, false_fn, operands), got {len(node.args)} args and kwargs {list(node.kwargs)}",
+            where=describe_node(node),
+        )
+    pred, t, f, operands = node.args
+    if not isinstance(operands, (tuple, list)):
+        raise MalformedGraphError(f"cond operands are {type(operands).__name__}, expected a tuple", where=describe_node(node))
+    true_gm = _resolve_subgraph(owner, t, node, "true branch")
+    false_gm = _resolve_subgraph(owner, f, node, "false branch")
+    _check_operands(node, operands)
+    _check_arity(node, [true_gm, false_gm], ["true branch", "false branch"], len(operands))
+    _check_branch_outputs(node, [true_gm, false_gm], ["true branch", "false branch"])
+    return CondParts(node, pred, true_gm, false_gm, t, f, tuple(operands))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SwitchParts:
+    """A validated ``switch`` node: index, branch graphs, operands."""
+
+    node: Node
+    index: Any
+    branches: tuple[GraphModule, ...]
+    branch_attrs: tuple[Node, ...]
+    operands: tuple[Any, ...]
+
+
+def switch_parts(owner: GraphModule, node: Node) -> SwitchParts:
+    """Take the switch ``node`` of ``owner`` apart; raise MalformedGraphError if it is ill-formed."""
+    if len(node.args) != 3 or node.kwargs:
+        raise MalformedGraphError(
+            f"switch takes (index, branches, operands), got {len(node.args)} args", where=describe_node(node)
+        )
+    index, branches, operands = node.args
+    if not isinstance(branches, (tuple, list)) or len(branches) == 0:
+        raise MalformedGraphError(
+            "switch has zero branches; it needs at least one branch graph",
+            where=describe_node(node),
+        )
+    if not isinstance(operands, (tuple, list)):
+        raise MalformedGraphError(f"switch operands are {type(operands).__name__}, expected a tuple", where=describe_node(node))
+    gms = tuple(_resolve_subgraph(owner, b, node, f"branch {i}") for i, b in enumerate(branches))
+    _check_operands(node, operands)
+    _check_arity(node, gms, [f"branch {i}" for i in range(len(gms))], len(operands))
+    _check_branch_outputs(node, gms, [f"branch {i}" for i in range(len(gms))])
+    return SwitchParts(node, index, gms, tuple(branches), tuple(operands))  # type: ignore[arg-type]
+
+
+def fake_mode_of(values: Sequence[Any]) -> Any:
+    """The FakeTensorMode behind the first fake tensor in ``values``, or None."""
+    for v in values:
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def emit(graph: Graph, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+         *, like: Node | None = None) -> Node:
+    """Create ``call_function target(*args)`` at the graph's insertion point
+    and fill its example-value meta by running ``target`` on fake inputs.
+
+    ``like`` is a node whose meta key convention (``val`` vs ``example_value``)
+    and stack trace the new node copies.
+    """
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    key = _value_key(like) if like is not None else "val"
+    if like is not None and "stack_trace" in like.meta:
+        node.meta["stack_trace"] = like.meta["stack_trace"]
+    vals_args = torch.fx.node.map_arg(args, node_value)
+    vals_kwargs = torch.fx.node.map_arg(kwargs, node_value)
+    leaves = torch.utils._pytree.tree_leaves((vals_args, vals_kwargs))
+    if any(node_value(a) is None for a in node.all_input_nodes):
+        return node  # no example values upstream (e.g. a symbolic_trace graph): leave meta empty
+    mode = fake_mode_of(leaves)
+    ctx = mode if mode is not None else contextlib.nullcontext()
+    with ctx:
+        node.meta[key] = target(*vals_args, **vals_kwargs)
+    return node
+
+
+def fresh_attr_name(module: torch.nn.Module, base: str) -> str:
+    """``base`` or ``base_<n>``: the first name not yet an attribute of ``module``."""
+    base = base.replace(".", "_")
+    if not hasattr(module, base):
+        return base
+    n = 1
+    while hasattr(module, f"{base}_{n}"):
+        n += 1
+    return f"{base}_{n}"
+
+
+#: ``operator.getitem`` re-exported for matchers that test ``node.target is GETITEM``.
+GETITEM = operator.getitem
+
+
+class AttrSink:
+    """Collects the attributes (subgraphs, constants) that copied ``get_attr``
+    nodes refer to, under names unique within one destination module;
+    with an ``owner`` module they are also registered on it at once."""
+
+    def __init__(self, owner: torch.nn.Module | None = None) -> None:
+        self.attrs: dict[str, Any] = {}
+        self.owner = owner
+        self._counts: dict[str, int] = {}
+
+    def add(self, base: str, obj: Any) -> str:
+        """Store ``obj`` under a fresh name derived from ``base``; return the name."""
+        base = base.replace(".", "_")
+        name, n = base, self._counts.get(base, 0)
+        while name in self.attrs or (self.owner is not None and hasattr(self.owner, name)):
+            n += 1
+            name = f"{base}_{n}"
+        self._counts[base] = n
+        self.attrs[name] = obj
+        if self.owner is not None:
+            # Register before any get_attr node refers to it.
+            if isinstance(obj, torch.nn.Module):
+                self.owner.add_module(name, obj)
+            else:
+                setattr(self.owner, name, obj)
+        return name
+
+
+def resolve_attr(gm: torch.nn.Module, target: str) -> Any:
+    """The object a ``get_attr`` node with ``target`` reads from ``gm``."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def inline_graph(
+    dst: Graph,
+    src: GraphModule,
+    args: Sequence[Any],
+    sink: AttrSink,
+    *,
+    replace: dict[Node, Callable[[dict[Node, Any]], Sequence[Any]]] | None = None,
+    drop: frozenset[Node] = frozenset(),
+) -> list[Any]:
+    """Copy ``src``'s body into ``dst`` at its insertion point, its
+    placeholders bound to ``args``; return the values it outputs.
+
+    ``replace[node]`` is called with the environment instead of copying a
+    multi-output ``node`` and must return its outputs; ``getitem`` nodes on
+    it resolve to those outputs directly. Nodes in ``drop`` are not copied
+    (the get_attrs of a replaced node). ``get_attr`` nodes are re-pointed at
+    copies stored in ``sink``.
+    """
+    replace = replace or {}
+    env: dict[Node, Any] = {}
+    multi: dict[Node, Sequence[Any]] = {}
+    it = iter(args)
+    for n in src.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = next(it)
+        elif n.op == "output":
+            ret = n.args[0]
+            flat = list(ret) if isinstance(ret, (tuple, list)) else [ret]
+            return [torch.fx.node.map_arg(v, env.__getitem__) for v in flat]
+        elif n in drop:
+            continue
+        elif n in replace:
+            multi[n] = replace[n](env)
+            env[n] = tuple(multi[n])
+        elif n.target is GETITEM and isinstance(n.args[0], Node) and n.args[0] in multi:
+            env[n] = multi[n.args[0]][n.args[1]]
+        elif n.op == "get_attr":
+            name = sink.add(str(n.target), resolve_attr(src, str(n.target)))
+            env[n] = dst.get_attr(name)
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = dst.node_copy(n, env.__getitem__)
+    raise MalformedGraphError("graph has no output node", where=f"graph module {type(src).__name__}")
+
+
+def erase_dead_inputs(graph: Graph, nodes: Sequence[Any]) -> None:
+    """Erase ``nodes`` and, transitively, their inputs once they have no
+    users left and no side effects (the predicate chain of a replaced cond)."""
+    work = [n for n in nodes if isinstance(n, Node)]
+    while work:
+        n = work.pop()
+        if n.users or n.op not in ("call_function", "call_method") or n.is_impure() or n.graph is not graph:
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        work.extend(inputs)

@@ -1,0 +1,473 @@
+"""The epilogue vocabulary: ONE table of the elementwise ops that may follow a
+matmul and be fused into its store.
+
+Each row (:class:`EpilogueOp`) says, as data:
+
+* ``name`` -- the step's name in a spec string (``"gelu_tanh"``);
+* ``targets`` / ``match`` -- which ATen ops it is matched from and the operand
+  checks (a guard-clause function returning the operand or a reason string);
+* ``operand`` -- what the step consumes besides the running value:
+  ``"none"``, ``"scalar"`` (a Python float baked into the spec),
+  ``"col"`` (a per-column vector, ``N`` elements), ``"matrix"`` (``[M, N]``),
+  or ``"dtype"`` (a cast);
+* ``formula`` -- its math, written ONCE over a math namespace ``m``. The
+  reference path evaluates it with :data:`TORCH_MATH` in fp32; the CuTeDSL
+  kernel evaluates the same function with CuTeDSL math on registers. ``m`` must
+  provide ``exp``, ``tanh``, ``erf`` and ``maximum(x, c)`` (``c`` a Python
+  float); ``+ - * /`` are Python operators;
+* ``aten`` -- the unfused eager op (the "unfused ATen chain" candidate, which
+  rounds to the tensor dtype after every step, as the original graph did).
+
+A fused chain is an :class:`EpilogueSpec`: the ordered steps plus the output
+dtype and the layout of the weight operand. Its semantics, as Python::
+
+    acc = a.float() @ b_kn.float()               # fp32 accumulation
+    for step in spec.steps:                      # fp32 epilogue
+        acc = step.op.apply(acc, operand(step), TORCH_MATH)
+    return acc.to(spec.out_dtype)                # one rounding, one store
+
+GELU's erf and tanh forms are different rows and are never exchanged.
+
+    >>> import torch
+    >>> spec = EpilogueSpec.parse("w=nk;bias@0;gelu_tanh;residual@1;out=bfloat16")
+    >>> [s.op.name for s in spec.steps], spec.out_dtype
+    (['bias', 'gelu_tanh', 'residual'], torch.bfloat16)
+    >>> EpilogueSpec.parse(str(spec)) == spec
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Union
+
+import torch
+from torch.fx import Node
+
+from branchyard.errors import LoweringError
+
+__all__ = [
+    "OperandKind",
+    "EpilogueOp",
+    "EpilogueStep",
+    "EpilogueSpec",
+    "EPILOGUE_OPS",
+    "EPILOGUE_TABLE",
+    "ACTIVATIONS",
+    "TORCH_MATH",
+    "SUPPORTED_DTYPES",
+    "reference_epilogue",
+    "reference_fused_gemm",
+    "unfused_aten_epilogue",
+]
+
+OperandKind = Literal["none", "scalar", "col", "matrix", "dtype"]
+
+aten = torch.ops.aten
+
+#: Matmul / output dtypes a spec may name (by their ``torch`` attribute name).
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+class _TorchMath:
+    """The math namespace over torch tensors (used by the reference path)."""
+
+    exp = staticmethod(torch.exp)
+    tanh = staticmethod(torch.tanh)
+    erf = staticmethod(torch.erf)
+
+    @staticmethod
+    def maximum(x: torch.Tensor, c: float) -> torch.Tensor:
+        return torch.clamp_min(x, c)
+
+
+#: The namespace ``m`` that formulas see on the reference path.
+TORCH_MATH = _TorchMath()
+
+
+# --- operand checks (guard clauses: return the operand, or why not) ---------
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _out_shape(x: Node) -> tuple[Any, ...]:
+    return tuple(_val(x).shape)
+
+
+def _other_operand(node: Node, x: Node) -> Any | str:
+    """The operand of binary ``node`` that is not the running value ``x``."""
+    if node.kwargs.get("alpha", 1) != 1:
+        return f"{node.target} has alpha={node.kwargs['alpha']}"
+    args = list(node.args[:2])
+    if len(args) != 2:
+        return f"{node.target} does not have two operands"
+    if args[0] is x and args[1] is x:
+        return "both operands are the matmul chain itself"
+    if args[0] is x:
+        return args[1]
+    if args[1] is x:
+        return args[0]
+    return "the chain value is not an operand"
+
+
+def _is_col_vector(t: Any, n: Any) -> bool:
+    """``t`` broadcasts along rows only: shape ``[..., 1, N]`` or ``[N]``."""
+    shape = tuple(t.shape)
+    return len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])
+
+
+def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node | str:
+    other = _other_operand(node, x)
+    if isinstance(other, str):
+        return other
+    if not isinstance(other, Node):
+        return f"operand {other!r} is a Python scalar, not a tensor"
+    t = _val(other)
+    if not isinstance(t, torch.Tensor):
+        return f"operand '{other.name}' has no tensor metadata"
+    if not t.dtype.is_floating_point:
+        return f"operand '{other.name}' has dtype {t.dtype}; epilogue operands must be floating point"
+    out = _out_shape(x)
+    n = out[-1]
+    if want == "col":
+        if t.dim() == 0:
+            return f"operand '{other.name}' is a 0-d tensor; only per-column [N] vectors are fused"
+        if not _is_col_vector(t, n):
+            return f"operand '{other.name}' has shape {list(t.shape)}, not a per-column vector [{n}]"
+        return other
+    if tuple(t.shape) != out:
+        return (
+            f"operand '{other.name}' has shape {list(t.shape)}; a residual must have the output's "
+            f"shape {list(out)} (no broadcasting)"
+        )
+    return other
+
+
+def _match_col(node: Node, x: Node) -> Node | str:
+    return _tensor_operand(node, x, "col")
+
+
+def _match_matrix(node: Node, x: Node) -> Node | str:
+    other = _other_operand(node, x)
+    if isinstance(other, Node) and isinstance(_val(other), torch.Tensor):
+        t = _val(other)
+        if _is_col_vector(t, _out_shape(x)[-1]) and tuple(t.shape) != _out_shape(x):
+            return "per-column operand (matched as bias/scale_col instead)"
+    return _tensor_operand(node, x, "matrix")
+
+
+def _match_scalar(node: Node, x: Node) -> float | str:
+    other = _other_operand(node, x)
+    if isinstance(other, str):
+        return other
+    if isinstance(other, bool) or not isinstance(other, (int, float)):
+        return f"operand {getattr(other, 'name', other)!r} is not a Python scalar"
+    if not math.isfinite(float(other)):
+        return f"scale {other!r} is not finite"
+    return float(other)
+
+
+def _match_unary(node: Node, x: Node) -> None | str:
+    if node.args[0] is not x:
+        return "the chain value is not the first argument"
+    return None
+
+
+def _match_gelu(approximate: str) -> Callable[[Node, Node], None | str]:
+    def match(node: Node, x: Node) -> None | str:
+        if node.args[0] is not x:
+            return "the chain value is not the first argument"
+        got = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        if got != approximate:
+            return f"gelu approximate={got!r}, not {approximate!r}"
+        return None
+
+    return match
+
+
+_CAST_TARGETS = (
+    aten._to_copy.default,
+    aten.to.dtype,
+    torch.ops.prims.convert_element_type.default,
+)
+
+
+def cast_dtype(node: Node) -> torch.dtype | None:
+    """The dtype a cast node converts to, or None if ``node`` is not a pure cast."""
+    if node.target is aten._to_copy.default:
+        extra = set(node.kwargs) - {"dtype"}
+        if len(node.args) != 1 or extra or "dtype" not in node.kwargs:
+            return None
+        return node.kwargs["dtype"]
+    if node.target is aten.to.dtype:
+        dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) > 1 else None)
+        if any(node.kwargs.get(k) for k in ("non_blocking", "copy")) or node.kwargs.get("memory_format"):
+            return None
+        return dtype
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return node.args[1]
+    return None
+
+
+def _match_cast(node: Node, x: Node) -> torch.dtype | str:
+    if node.args[0] is not x:
+        return "the chain value is not the cast's input"
+    dtype = cast_dtype(node)
+    if dtype is None:
+        return "the conversion changes more than the dtype (device, layout or memory format)"
+    name = str(dtype).removeprefix("torch.")
+    if name not in SUPPORTED_DTYPES:
+        return f"cast to {dtype}: only float16, bfloat16 and float32 outputs are fused"
+    return dtype
+
+
+# --- the table ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpilogueOp:
+    """One row of the epilogue table (see the module docstring)."""
+
+    name: str
+    targets: tuple[Any, ...]
+    operand: OperandKind
+    match: Callable[[Node, Node], Any]
+    formula: Callable[..., Any]
+    aten: Callable[..., torch.Tensor]
+    doc: str = ""
+
+    def apply(self, x: Any, operand: Any, m: Any) -> Any:
+        """Evaluate the formula; ``operand`` is ignored for ``none``/``dtype`` rows."""
+        if self.operand in ("none", "dtype"):
+            return self.formula(x, m)
+        return self.formula(x, operand, m)
+
+
+def _gelu_erf(x, m):
+    return 0.5 * x * (1.0 + m.erf(x * 0.7071067811865476))
+
+
+def _gelu_tanh(x, m):
+    return 0.5 * x * (1.0 + m.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def _silu(x, m):
+    return x / (1.0 + m.exp(-x))
+
+
+def _sigmoid(x, m):
+    return 1.0 / (1.0 + m.exp(-x))
+
+
+_ADD = (aten.add.Tensor,)
+_MUL = (aten.mul.Tensor, aten.mul.Scalar)
+
+EPILOGUE_TABLE: tuple[EpilogueOp, ...] = (
+    EpilogueOp("bias", _ADD, "col", _match_col,
+               lambda x, v, m: x + v, lambda x, v: x + v, "x + bias[N]"),
+    EpilogueOp("scale", _MUL, "scalar", _match_scalar,
+               lambda x, c, m: x * c, lambda x, c: x * c, "x * c (Python float)"),
+    EpilogueOp("scale_col", _MUL, "col", _match_col,
+               lambda x, v, m: x * v, lambda x, v: x * v, "x * scale[N]"),
+    EpilogueOp("residual", _ADD, "matrix", _match_matrix,
+               lambda x, r, m: x + r, lambda x, r: x + r, "x + residual[M, N]"),
+    EpilogueOp("relu", (aten.relu.default,), "none", _match_unary,
+               lambda x, m: m.maximum(x, 0.0), torch.relu, "max(x, 0)"),
+    EpilogueOp("gelu_erf", (aten.gelu.default,), "none", _match_gelu("none"),
+               _gelu_erf, lambda x: torch.nn.functional.gelu(x), "0.5x(1+erf(x/sqrt2))"),
+    EpilogueOp("gelu_tanh", (aten.gelu.default,), "none", _match_gelu("tanh"),
+               _gelu_tanh, lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+               "0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))"),
+    EpilogueOp("silu", (aten.silu.default,), "none", _match_unary,
+               _silu, torch.nn.functional.silu, "x*sigmoid(x)"),
+    EpilogueOp("sigmoid", (aten.sigmoid.default,), "none", _match_unary,
+               _sigmoid, torch.sigmoid, "1/(1+exp(-x))"),
+    EpilogueOp("tanh", (aten.tanh.default,), "none", _match_unary,
+               lambda x, m: m.tanh(x), torch.tanh, "tanh(x)"),
+    EpilogueOp("cast", _CAST_TARGETS, "dtype", _match_cast,
+               lambda x, m: x, lambda x, dtype: x.to(dtype), "round to dtype"),
+)
+
+#: name -> row.
+EPILOGUE_OPS: dict[str, EpilogueOp] = {op.name: op for op in EPILOGUE_TABLE}
+#: The activation rows (operand kind ``none``).
+ACTIVATIONS: tuple[str, ...] = tuple(op.name for op in EPILOGUE_TABLE if op.operand == "none")
+
+
+# --- specs -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpilogueStep:
+    """One step of a chain: a table row plus its operand.
+
+    ``operand`` is an index into the fused op's ``operands`` list (``col`` and
+    ``matrix`` rows), a float (``scalar``), a ``torch.dtype`` (``dtype``) or
+    ``None`` (activations).
+    """
+
+    op: EpilogueOp
+    operand: Union[int, float, torch.dtype, None] = None
+
+    def __str__(self) -> str:
+        kind = self.op.operand
+        if kind in ("col", "matrix"):
+            return f"{self.op.name}@{self.operand}"
+        if kind == "scalar":
+            return f"{self.op.name}:{float(self.operand)!r}"  # repr round-trips exactly
+        if kind == "dtype":
+            return f"{self.op.name}:{str(self.operand).removeprefix('torch.')}"
+        return self.op.name
+
+
+def _dtype(name: str, where: str) -> torch.dtype:
+    try:
+        return SUPPORTED_DTYPES[name]
+    except KeyError:
+        raise LoweringError(
+            f"unknown dtype {name!r}", where=where, hint=f"use one of {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class EpilogueSpec:
+    """A fused chain: ``steps`` applied in order to the fp32 accumulator, the
+    result rounded once to ``out_dtype``. ``weight_layout`` says how the op's
+    ``b`` argument is laid out: ``"kn"`` (``mm``'s second operand, ``[K, N]``)
+    or ``"nk"`` (an ``nn.Linear`` weight, ``[N, K]``).
+
+    The string form (``str(spec)`` / :meth:`parse`) is what the custom op
+    carries, e.g. ``"w=nk;bias@0;gelu_erf;out=bfloat16"``.
+    """
+
+    steps: tuple[EpilogueStep, ...]
+    out_dtype: torch.dtype
+    weight_layout: Literal["kn", "nk"] = "kn"
+
+    def __str__(self) -> str:
+        parts = [f"w={self.weight_layout}", *map(str, self.steps)]
+        parts.append(f"out={str(self.out_dtype).removeprefix('torch.')}")
+        return ";".join(parts)
+
+    @property
+    def num_operands(self) -> int:
+        """How many tensors the op's ``operands`` list carries."""
+        return sum(1 for s in self.steps if s.op.operand in ("col", "matrix"))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The step names in order, e.g. ``("bias", "gelu_erf")``."""
+        return tuple(s.op.name for s in self.steps)
+
+    @staticmethod
+    def parse(text: str) -> "EpilogueSpec":
+        """Inverse of ``str(spec)``; raises :class:`LoweringError` naming the bad part."""
+        where = f"epilogue spec {text!r}"
+        layout = "kn"
+        out: torch.dtype | None = None
+        steps: list[EpilogueStep] = []
+        for part in filter(None, text.split(";")):
+            if part.startswith("w="):
+                layout = part[2:]
+                if layout not in ("kn", "nk"):
+                    raise LoweringError(f"weight layout {layout!r} is not 'kn' or 'nk'", where=where)
+                continue
+            if part.startswith("out="):
+                out = _dtype(part[4:], where)
+                continue
+            name, sep, arg = part.partition("@") if "@" in part else part.partition(":")
+            op = EPILOGUE_OPS.get(name)
+            if op is None:
+                raise LoweringError(
+                    f"unknown epilogue step {name!r}", where=where,
+                    hint=f"known steps: {', '.join(EPILOGUE_OPS)}",
+                )
+            try:
+                operand: Any = {
+                    "none": lambda: None,
+                    "col": lambda: int(arg),
+                    "matrix": lambda: int(arg),
+                    "scalar": lambda: float(arg),
+                    "dtype": lambda: _dtype(arg, where),
+                }[op.operand]()
+            except ValueError:
+                raise LoweringError(f"step {part!r} has a malformed operand", where=where) from None
+            if op.operand != "none" and not sep:
+                raise LoweringError(f"step {name!r} needs an operand", where=where)
+            steps.append(EpilogueStep(op, operand))
+        if out is None:
+            raise LoweringError("missing 'out=<dtype>'", where=where)
+        spec = EpilogueSpec(tuple(steps), out, layout)  # type: ignore[arg-type]
+        indices = [s.operand for s in spec.steps if s.op.operand in ("col", "matrix")]
+        if indices != list(range(len(indices))):
+            raise LoweringError(
+                f"tensor operands must be numbered 0, 1, ... in step order, got {indices}", where=where
+            )
+        return spec
+
+
+# --- reference semantics -----------------------------------------------------
+
+
+def _as_kn(b: torch.Tensor, layout: str) -> torch.Tensor:
+    return b.t() if layout == "nk" else b
+
+
+def _prepare_operand(step: EpilogueStep, t: torch.Tensor, m_rows: int, n: int) -> torch.Tensor:
+    if step.op.operand == "col":
+        return t.reshape(n)
+    return t.reshape(m_rows, n)
+
+
+def reference_epilogue(
+    acc: torch.Tensor, spec: EpilogueSpec, operands: list[torch.Tensor], m: Any = TORCH_MATH
+) -> torch.Tensor:
+    """Apply ``spec``'s steps to the fp32 ``[M, N]`` accumulator, in fp32 (no final cast)."""
+    rows, n = acc.shape
+    x = acc
+    for step in spec.steps:
+        v: Any = step.operand
+        if step.op.operand in ("col", "matrix"):
+            v = _prepare_operand(step, operands[step.operand], rows, n).float()  # type: ignore[index]
+        x = step.op.apply(x, v, m)
+    return x
+
+
+def reference_fused_gemm(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: EpilogueSpec
+) -> torch.Tensor:
+    """The semantics of the fused op: fp32 matmul + fp32 epilogue + one cast.
+
+    ``a`` is ``[..., K]``; the result is ``[..., N]`` in ``spec.out_dtype``.
+    """
+    b_kn = _as_kn(b, spec.weight_layout)
+    lead = a.shape[:-1]
+    acc = a.reshape(-1, a.shape[-1]).float() @ b_kn.float()
+    out = reference_epilogue(acc, spec, operands)
+    return out.to(spec.out_dtype).reshape(*lead, b_kn.shape[1])
+
+
+def unfused_aten_epilogue(
+    y: torch.Tensor, spec: EpilogueSpec, operands: list[torch.Tensor]
+) -> torch.Tensor:
+    """The chain as separate eager ops on the matmul output ``y`` ``[M, N]``,
+    in the tensors' own dtypes (one HBM round trip per op, like the original
+    graph)."""
+    rows, n = y.shape
+    for step in spec.steps:
+        kind = step.op.operand
+        if kind in ("col", "matrix"):
+            y = step.op.aten(y, _prepare_operand(step, operands[step.operand], rows, n))  # type: ignore[index]
+        elif kind in ("scalar", "dtype"):
+            y = step.op.aten(y, step.operand)
+        else:
+            y = step.op.aten(y)
+    return y.to(spec.out_dtype)
+

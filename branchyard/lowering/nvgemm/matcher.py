@@ -1,0 +1,368 @@
+"""Find matmuls and the single-use elementwise chain after them (the epilogue).
+
+A candidate starts at a matmul root -- ``aten.mm``, ``aten.addmm`` or
+``aten.linear`` (2-D, or N-D input flattened to ``[M, K]``) -- and walks
+forward while the running value has exactly one user and that user is a row
+of the epilogue table (:data:`~branchyard.lowering.nvgemm.epilogue.EPILOGUE_TABLE`)
+whose operand checks pass::
+
+    mm = aten.mm(a, b)                  # or addmm(bias, a, b) / linear(a, w, bias)
+    t1 = aten.add(mm, bias)             # bias   [N]
+    t2 = aten.gelu(t1)                  # gelu_erf
+    t3 = aten.add(t2, residual)         # residual [M, N]
+    t4 = aten._to_copy(t3, dtype=bf16)  # cast
+
+Views that only regroup the leading (row) dims are transparent, so the
+``view -> addmm -> view`` that ``run_decompositions`` makes of a 3-D
+``linear`` still matches, and so is the decomposed SiLU ``x * sigmoid(x)``.
+
+Every matcher here is a run of guard clauses returning a match or a reason
+string; :func:`find_epilogue_chains` returns one :class:`EpilogueChain` per
+matmul root, fusable or not (``chain.reason`` says why not).
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> def f(x, w, b):
+    ...     return torch.relu(x @ w + b)
+    >>> gm = make_fx(f)(torch.randn(8, 16), torch.randn(16, 32), torch.randn(32))
+    >>> [str(c.spec) for c in find_epilogue_chains(gm)]
+    ['w=kn;bias@0;relu;out=float32']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch.fx import GraphModule, Node
+
+from branchyard.lowering.nvgemm.epilogue import (
+    EPILOGUE_OPS,
+    EPILOGUE_TABLE,
+    SUPPORTED_DTYPES,
+    EpilogueOp,
+    EpilogueSpec,
+    EpilogueStep,
+    _is_col_vector,
+)
+
+__all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot"]
+
+aten = torch.ops.aten
+
+_VIEW_TARGETS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+#: target -> the table rows matched from it, in table order (first match wins).
+_ROWS_BY_TARGET: dict[Any, list[EpilogueOp]] = {}
+for _row in EPILOGUE_TABLE:
+    for _t in _row.targets:
+        _ROWS_BY_TARGET.setdefault(_t, []).append(_row)
+
+#: The most steps one fused op carries (keeps specs, and kernels, bounded).
+MAX_STEPS = 8
+
+Operand = Union[Node, float, torch.dtype, None]
+
+
+@dataclass
+class MatmulRoot:
+    """A matched matmul: ``a`` ``[..., K]`` times ``b`` (layout ``kn``/``nk``),
+    plus the steps the root itself implies (addmm/linear bias, addmm alpha)."""
+
+    node: Node
+    a: Node
+    b: Node
+    weight_layout: str
+    steps: list[tuple[EpilogueOp, Operand]]
+
+
+@dataclass
+class EpilogueChain:
+    """One matmul root and the chain after it.
+
+    ``nodes`` are the graph nodes the fused op replaces (root first, ``end``
+    last); ``steps`` the table rows with their operands (graph nodes for
+    tensors, floats for scalars, dtypes for casts). ``reason`` is ``None`` for
+    a fusable chain and says why otherwise; ``stop`` says why the chain ends
+    where it does, and ``stop_node`` is the user it stopped at (``None`` when
+    it simply ran out of epilogue ops).
+    """
+
+    root: Node
+    a: Node | None = None
+    b: Node | None = None
+    weight_layout: str = "kn"
+    steps: list[tuple[EpilogueOp, Operand]] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    out_view: Node | None = None
+    reason: str | None = None
+    stop: str = ""
+    stop_node: Node | None = None
+    near_miss: bool = False
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the pass replaces this chain with one fused op."""
+        return self.reason is None
+
+    @property
+    def end(self) -> Node:
+        """The last node replaced; its users get the fused result."""
+        return self.nodes[-1]
+
+    @property
+    def operands(self) -> list[Node]:
+        """The tensor operands of the steps, in step order."""
+        return [v for op, v in self.steps if op.operand in ("col", "matrix")]  # type: ignore[misc]
+
+    @property
+    def spec(self) -> EpilogueSpec:
+        """The chain as an :class:`EpilogueSpec` (operands numbered in order)."""
+        steps: list[EpilogueStep] = []
+        k = 0
+        for op, v in self.steps:
+            if op.operand in ("col", "matrix"):
+                steps.append(EpilogueStep(op, k))
+                k += 1
+            else:
+                steps.append(EpilogueStep(op, v))  # type: ignore[arg-type]
+        out = self.end.meta["val"].dtype
+        return EpilogueSpec(tuple(steps), out, self.weight_layout)  # type: ignore[arg-type]
+
+    def __str__(self) -> str:
+        head = f"{self.root.name}: "
+        if self.reason is not None:
+            return head + f"declined: {self.reason}"
+        return head + " -> ".join(op.name for op, _ in self.steps) + f" [{self.spec}]"
+
+
+# --- matmul roots ------------------------------------------------------------
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _check_operands(node: Node, a: Any, b: Any, b_layout: str) -> str | None:
+    for name, x in (("input", a), ("weight", b)):
+        if not isinstance(x, Node):
+            return f"the matmul {name} is not a graph value"
+        if not isinstance(_val(x), torch.Tensor):
+            return (
+                f"the matmul {name} '{x.name}' has no tensor metadata (node.meta['val']); "
+                "lower an exported (torch.export) or make_fx-traced ATen graph"
+            )
+    ta, tb = _val(a), _val(b)
+    if tb.dim() != 2:
+        return f"the weight is {tb.dim()}-D, not 2-D"
+    if ta.dim() < 2:
+        return f"the input is {ta.dim()}-D; a matmul root needs [M, K] or [..., M, K]"
+    if ta.dtype != tb.dtype:
+        return f"input dtype {ta.dtype} differs from weight dtype {tb.dtype}"
+    if str(ta.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES:
+        return f"dtype {ta.dtype} is not fused (float16, bfloat16, float32 only)"
+    k, n = (tb.shape[0], tb.shape[1]) if b_layout == "kn" else (tb.shape[1], tb.shape[0])
+    for dim, size in (("K", k), ("N", n)):
+        if not isinstance(size, int):
+            return f"{dim}={size} is symbolic; the kernel is compiled for a static {dim}"
+    return None
+
+
+def _bias_step(bias: Node, out: Node) -> tuple[EpilogueOp, Operand] | str:
+    t = _val(bias)
+    if not isinstance(t, torch.Tensor):
+        return f"bias '{getattr(bias, 'name', bias)}' has no tensor metadata"
+    shape_out = tuple(_val(out).shape)
+    if _is_col_vector(t, shape_out[-1]):
+        return (EPILOGUE_OPS["bias"], bias)
+    if tuple(t.shape) == shape_out:
+        return (EPILOGUE_OPS["residual"], bias)
+    return f"addmm input has shape {list(t.shape)}: neither a per-column bias nor an [M, N] residual"
+
+
+def _match_mm(node: Node) -> MatmulRoot | str:
+    a, b = node.args[:2]
+    if (why := _check_operands(node, a, b, "kn")) is not None:
+        return why
+    return MatmulRoot(node, a, b, "kn", [])
+
+
+def _match_addmm(node: Node) -> MatmulRoot | str:
+    bias, a, b = node.args[:3]
+    beta = node.kwargs.get("beta", node.args[3] if len(node.args) > 3 else 1)
+    alpha = node.kwargs.get("alpha", node.args[4] if len(node.args) > 4 else 1)
+    if beta != 1:
+        return f"addmm beta={beta} (the bias would need its own scale)"
+    if (why := _check_operands(node, a, b, "kn")) is not None:
+        return why
+    steps: list[tuple[EpilogueOp, Operand]] = []
+    if alpha != 1:
+        steps.append((EPILOGUE_OPS["scale"], float(alpha)))
+    step = _bias_step(bias, node)
+    if isinstance(step, str):
+        return step
+    return MatmulRoot(node, a, b, "kn", steps + [step])
+
+
+def _match_linear(node: Node) -> MatmulRoot | str:
+    a, w = node.args[:2]
+    bias = node.kwargs.get("bias", node.args[2] if len(node.args) > 2 else None)
+    if (why := _check_operands(node, a, w, "nk")) is not None:
+        return why
+    steps: list[tuple[EpilogueOp, Operand]] = []
+    if bias is not None:
+        step = _bias_step(bias, node)
+        if isinstance(step, str):
+            return step
+        steps.append(step)
+    return MatmulRoot(node, a, w, "nk", steps)
+
+
+#: The matmul roots, as data: ATen target -> guard-clause matcher.
+MATMUL_ROOTS = {
+    aten.mm.default: _match_mm,
+    aten.addmm.default: _match_addmm,
+    aten.linear.default: _match_linear,
+}
+
+
+def match_matmul(node: Node) -> MatmulRoot | str:
+    """Match ``node`` as a matmul root, or say why it is not one."""
+    matcher = MATMUL_ROOTS.get(node.target)
+    if matcher is None:
+        return f"{node.target} is not mm, addmm or linear"
+    if not isinstance(_val(node), torch.Tensor):
+        return "no tensor metadata (node.meta['val']); lower an exported or make_fx-traced ATen graph"
+    return matcher(node)
+
+
+# --- the chain walk ----------------------------------------------------------
+
+
+def _row_view(node: Node, x: Node) -> bool:
+    """``node`` is a view of ``x`` that only regroups the leading (row) dims."""
+    if node.target not in _VIEW_TARGETS or node.args[0] is not x:
+        return False
+    tin, tout = _val(x), _val(node)
+    if not isinstance(tout, torch.Tensor) or tout.dim() < 1:
+        return False
+    return tout.shape[-1] == tin.shape[-1]
+
+
+def _match_decomposed_silu(x: Node) -> tuple[list[Node], Node] | None:
+    """``x * sigmoid(x)`` (what decompositions make of ``silu``): x has exactly
+    these two users. Returns the nodes consumed and the new chain value."""
+    users = list(x.users)
+    if len(users) != 2:
+        return None
+    sig = next((u for u in users if u.target is aten.sigmoid.default and u.args[0] is x), None)
+    if sig is None or len(sig.users) != 1:
+        return None
+    mul = next(iter(sig.users))
+    if mul.target is not aten.mul.Tensor or set(mul.args[:2]) != {x, sig} or mul not in users:
+        return None
+    return [sig, mul], mul
+
+
+def _narrowing(dtype: torch.dtype) -> bool:
+    return dtype.itemsize < 4
+
+
+def _walk(chain: EpilogueChain) -> None:
+    """Extend ``chain`` forward from its root; fills ``steps``, ``nodes``, ``stop``."""
+    x = chain.root
+    pending_views: list[Node] = []
+    while True:
+        if len(chain.steps) >= MAX_STEPS:
+            chain.stop = f"the chain reached the {MAX_STEPS}-step limit"
+            break
+        users = list(x.users)
+        if len(users) > 1:
+            silu = _match_decomposed_silu(x)
+            if silu is not None:
+                consumed, x = silu
+                chain.nodes += pending_views + consumed
+                pending_views = []
+                chain.steps.append((EPILOGUE_OPS["silu"], None))
+                continue
+            chain.stop = f"'{x.name}' has {len(users)} users; fusing past it would lose the value they need"
+            chain.stop_node = x
+            break
+        if not users:
+            chain.stop = f"'{x.name}' has no users"
+            break
+        (u,) = users
+        if u.op == "output":
+            chain.stop = "the chain reaches the graph output"
+            break
+        if _row_view(u, x):
+            pending_views.append(u)
+            x = u
+            continue
+        rows = _ROWS_BY_TARGET.get(u.target)
+        if rows is None:
+            chain.stop = f"'{u.name}' ({getattr(u.target, '__name__', u.target)}) is not an epilogue op"
+            break
+        tried = []
+        for row in rows:
+            got = row.match(u, x)
+            if isinstance(got, str):
+                tried.append(f"{row.name}: {got}")
+                continue
+            break
+        else:
+            chain.stop = f"'{u.name}' does not match an epilogue op ({'; '.join(tried)})"
+            chain.stop_node = u
+            chain.near_miss = True
+            break
+        chain.nodes += pending_views + [u]
+        pending_views = []
+        chain.steps.append((row, got))
+        x = u
+        if row.name == "cast" and _narrowing(got):
+            chain.stop = "a narrowing cast ends the chain (the epilogue rounds only once, at the store)"
+            break
+    if chain.nodes and chain.nodes[-1] is not chain.root:
+        # A view inside the chain changes the output shape: the fused op makes
+        # [M, N] (or a's leading dims) and a view restores the chain's shape.
+        views = [n for n in chain.nodes if n.target in _VIEW_TARGETS]
+        chain.out_view = views[-1] if views else None
+
+
+def _is_only_root_bias(chain: EpilogueChain) -> bool:
+    return chain.nodes == [chain.root] and [op.name for op, _ in chain.steps] == ["bias"]
+
+
+def match_chain(node: Node) -> EpilogueChain:
+    """The chain rooted at matmul ``node`` (``chain.reason`` set if declined)."""
+    chain = EpilogueChain(root=node)
+    root = match_matmul(node)
+    if isinstance(root, str):
+        chain.reason = root
+        return chain
+    chain.a, chain.b, chain.weight_layout = root.a, root.b, root.weight_layout
+    chain.steps = list(root.steps)
+    chain.nodes = [node]
+    _walk(chain)
+    if chain.nodes == [node] and not chain.steps:
+        chain.reason = f"nothing to fuse after the matmul: {chain.stop}"
+    elif _is_only_root_bias(chain):
+        chain.reason = (
+            f"only the matmul's own bias, which addmm already applies in its epilogue; {chain.stop}"
+        )
+    return chain
+
+
+def find_epilogue_chains(gm: GraphModule) -> list[EpilogueChain]:
+    """Every matmul root in ``gm``'s top-level graph and its chain, fusable or
+    declined (``chain.reason``), in graph order.
+
+    Chains never overlap: a node is consumed by at most one chain, because each
+    chain value has a single user.
+    """
+    chains = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in MATMUL_ROOTS:
+            chains.append(match_chain(node))
+    return chains

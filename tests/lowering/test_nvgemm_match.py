@@ -1,0 +1,292 @@
+"""nvgemm pattern matching: which chains are fused, into what spec, and why
+the others are declined. CPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from branchyard.lowering.nvgemm import NvGemmPass, find_epilogue_chains, nvgemm
+from branchyard.passes import get_pass
+
+FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
+aten = torch.ops.aten
+
+
+def fused_nodes(program):
+    graph = program.graph if hasattr(program, "graph") else program.graph_module.graph
+    return [n for n in graph.nodes if n.target is FUSED]
+
+
+def targets(program):
+    graph = program.graph
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, d=32, h=64, approximate="tanh"):
+        super().__init__()
+        self.c_fc = nn.Linear(d, h)
+        self.c_proj = nn.Linear(h, d)
+        self.approximate = approximate
+
+    def forward(self, x):
+        h = F.gelu(self.c_fc(x), approximate=self.approximate)
+        return x + self.c_proj(h)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d=32, h=64):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def specs(program):
+    return [n.args[3] for n in fused_nodes(program)]
+
+
+# --- GPT-2 MLP: linear+gelu(tanh), linear+bias+residual ---------------------
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (2, 4, 32)], ids=["2d", "3d"])
+def test_gpt2_mlp_exported_fuses_both_linears(shape):
+    ep = torch.export.export(GPT2MLP(), (torch.randn(shape),))
+    out = nvgemm(ep)
+    assert specs(out) == ["w=nk;bias@0;gelu_tanh;out=float32", "w=nk;bias@0;residual@1;out=float32"]
+    assert aten.linear.default not in targets(out)
+    assert aten.gelu.default not in targets(out)
+    x = torch.randn(shape)
+    torch.testing.assert_close(out.module()(x), ep.module()(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 32), (2, 4, 32)], ids=["2d", "3d"])
+def test_gpt2_mlp_decomposed_addmm_and_views(shape):
+    ep = torch.export.export(GPT2MLP(), (torch.randn(shape),)).run_decompositions()
+    assert aten.addmm.default in targets(ep)
+    out = nvgemm(ep)
+    assert specs(out) == ["w=kn;bias@0;gelu_tanh;out=float32", "w=kn;bias@0;residual@1;out=float32"]
+    remaining = targets(out)
+    assert aten.addmm.default not in remaining and aten.gelu.default not in remaining
+    assert aten.add.Tensor not in remaining
+    x = torch.randn(shape)
+    torch.testing.assert_close(out.module()(x), ep.module()(x), rtol=1e-5, atol=1e-5)
+    if len(shape) == 3:
+        # The fused op makes [M, N]; one view restores [B, S, N] for the residual chain.
+        fused = fused_nodes(out)
+        assert [u.target for u in fused[0].users] == [aten.view.default]
+        assert list(fused[1].meta["val"].shape) == [8, 32]
+
+
+def test_gelu_erf_and_tanh_are_distinct_steps():
+    erf = specs(nvgemm(torch.export.export(GPT2MLP(approximate="none"), (torch.randn(4, 32),))))
+    tanh = specs(nvgemm(torch.export.export(GPT2MLP(approximate="tanh"), (torch.randn(4, 32),))))
+    assert "gelu_erf" in erf[0] and "gelu_tanh" not in erf[0]
+    assert "gelu_tanh" in tanh[0] and "gelu_erf" not in tanh[0]
+
+
+# --- Llama SwiGLU: gate+silu fused; the gating mul and the up/down linears are not ---
+
+
+def test_swiglu_fuses_gate_silu_and_declines_the_rest():
+    ep = torch.export.export(SwiGLU(), (torch.randn(2, 4, 32),))
+    p = NvGemmPass()
+    res = p(ep.graph_module)
+    assert p.report.stats["specs"] == ["w=nk;silu;out=float32"]
+    assert p.report.stats == {"fused": 1, "declined": 2, "specs": ["w=nk;silu;out=float32"]}
+    reasons = {s.where.split("'")[1]: s.reason for s in p.report.skips}
+    assert "linear_1" in reasons and "nothing to fuse" in reasons["linear_1"]
+    # The gating mul looks like a scale but its operand is [M, N]: a near miss, said so.
+    assert "'mul' does not match an epilogue op" in reasons["linear_1"]
+    assert "not a per-column vector" in reasons["linear_1"]
+    assert "linear_2" in reasons and "graph output" in reasons["linear_2"]
+    assert aten.mul.Tensor in targets(res.graph_module)
+
+
+def test_swiglu_decomposed_silu_is_recognised():
+    ep = torch.export.export(SwiGLU(), (torch.randn(8, 32),)).run_decompositions()
+    assert aten.sigmoid.default in targets(ep), "decompositions should expand silu"
+    out = nvgemm(ep)
+    assert specs(out) == ["w=kn;silu;out=float32"]
+    assert aten.sigmoid.default not in targets(out)
+    x = torch.randn(8, 32)
+    torch.testing.assert_close(out.module()(x), ep.module()(x), rtol=1e-5, atol=1e-5)
+
+
+# --- a chain with a second user is cut before it ----------------------------
+
+
+def test_second_user_stops_the_chain():
+    def f(x, w, b):
+        y = x @ w + b
+        z = torch.relu(y)
+        return z, y  # y has two users: relu and the output
+
+    gm = make_fx(f)(torch.randn(4, 8), torch.randn(8, 16), torch.randn(16))
+    (chain,) = find_epilogue_chains(gm)
+    assert chain.fusable and [op.name for op, _ in chain.steps] == ["bias"]
+    assert "2 users" in chain.stop
+    out = nvgemm(gm)
+    assert specs(out) == ["w=kn;bias@0;out=float32"]
+    assert aten.relu.default in targets(out), "relu needs the unfused value and must stay"
+    args = (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16))
+    for got, want in zip(out(*args), gm(*args)):
+        torch.testing.assert_close(got, want)
+
+
+def test_matmul_with_two_users_is_declined():
+    def f(x, w):
+        y = x @ w
+        return torch.relu(y), y.sum()
+
+    gm = make_fx(f)(torch.randn(4, 8), torch.randn(8, 16))
+    p = NvGemmPass()
+    res = p(gm)
+    assert res.modified is False
+    (skip,) = p.report.skips
+    assert "mm" in skip.where and "2 users" in skip.reason
+
+
+# --- every epilogue op, in one chain and separately -------------------------
+
+
+def test_long_chain_scale_bias_act_residual_cast():
+    def f(x, w, s, b, r):
+        y = torch.mm(x, w) * 0.5
+        y = y * s
+        y = torch.tanh(y + b)
+        return (y + r).to(torch.float16)
+
+    args = (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16), torch.randn(1, 16), torch.randn(4, 16))
+    gm = make_fx(f)(*args)
+    out = nvgemm(gm)
+    assert specs(out) == ["w=kn;scale:0.5;scale_col@0;bias@1;tanh;residual@2;cast:float16;out=float16"]
+    (node,) = fused_nodes(out)
+    assert [a.name for a in node.args[2]] == ["s_1", "b_1", "r_1"]
+    assert len([n for n in out.graph.nodes if n.op == "call_function"]) == 1
+    torch.testing.assert_close(out(*args), gm(*args), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "act, name",
+    [
+        (torch.relu, "relu"),
+        (lambda y: F.gelu(y), "gelu_erf"),
+        (lambda y: F.gelu(y, approximate="tanh"), "gelu_tanh"),
+        (F.silu, "silu"),
+        (torch.sigmoid, "sigmoid"),
+        (torch.tanh, "tanh"),
+    ],
+)
+def test_each_activation(act, name):
+    gm = make_fx(lambda x, w: act(x @ w))(torch.randn(4, 8), torch.randn(8, 16))
+    assert [str(c.spec) for c in find_epilogue_chains(gm)] == [f"w=kn;{name};out=float32"]
+
+
+def test_addmm_alpha_becomes_a_scale_and_matrix_input_a_residual():
+    def f(r, x, w):
+        return torch.relu(torch.addmm(r, x, w, alpha=2.0))
+
+    gm = make_fx(f)(torch.randn(4, 16), torch.randn(4, 8), torch.randn(8, 16))
+    assert specs(nvgemm(gm)) == ["w=kn;scale:2.0;residual@0;relu;out=float32"]
+
+
+def test_widening_cast_continues_and_bf16_mm_promotes():
+    def f(x, w, b):
+        y = (x @ w).float()
+        return F.gelu(y + b)
+
+    gm = make_fx(f)(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16))
+    assert specs(nvgemm(gm)) == ["w=kn;cast:float32;bias@0;gelu_erf;out=float32"]
+
+
+def test_narrowing_cast_ends_the_chain():
+    def f(x, w):
+        return torch.relu((x @ w).to(torch.bfloat16))
+
+    gm = make_fx(f)(torch.randn(4, 8), torch.randn(8, 16))
+    (chain,) = find_epilogue_chains(gm)
+    assert [op.name for op, _ in chain.steps] == ["cast"] and "narrowing cast" in chain.stop
+    assert specs(nvgemm(gm)) == ["w=kn;cast:bfloat16;out=bfloat16"]
+
+
+# --- decline reasons ----------------------------------------------------------
+
+
+def _decline(f, *args):
+    gm = make_fx(f)(*args)
+    p = NvGemmPass()
+    res = p(gm)
+    return res, p.report
+
+
+@pytest.mark.parametrize(
+    "f, args, where, reason",
+    [
+        (lambda x, w, b: torch.relu(x @ w + b), (torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 1)),
+         "add", "not a per-column vector"),
+        (lambda x, w, r: torch.relu(x @ w + r), (torch.randn(4, 8), torch.randn(8, 16), torch.randn(1, 4, 16)),
+         "add", "residual must have the output's shape"),
+        (lambda x, w: (x @ w) + 1.0, (torch.randn(4, 8), torch.randn(8, 16)), "add", "Python scalar"),
+        (lambda x, w, s: (x @ w) * s, (torch.randn(4, 8), torch.randn(8, 16), torch.tensor(2.0)),
+         "mul", "0-d tensor"),
+        (lambda x, w, b: torch.add(x @ w, b, alpha=2), (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16)),
+         "add", "alpha=2"),
+    ],
+    ids=["per-row", "broadcast-residual", "scalar-add", "0d-scale", "alpha"],
+)
+def test_near_misses_are_declined_with_reason(f, args, where, reason):
+    res, report = _decline(f, *args)
+    assert res.modified is False
+    (skip,) = report.skips
+    assert "nothing to fuse" in skip.reason and reason in skip.reason, skip.reason
+
+
+def test_declines_dtype_and_rank_and_integer():
+    res, report = _decline(lambda x, w: torch.relu(x @ w), torch.randint(0, 4, (4, 8)), torch.randint(0, 4, (8, 16)))
+    assert res.modified is False and "torch.int64 is not fused" in report.skips[0].reason
+    res, report = _decline(lambda x, w: torch.relu(torch.mm(x, w)), torch.randn(4, 8, dtype=torch.float64),
+                           torch.randn(8, 16, dtype=torch.float64))
+    assert "float64 is not fused" in report.skips[0].reason
+
+
+def test_linear_bias_only_is_declined():
+    ep = torch.export.export(nn.Linear(8, 16), (torch.randn(4, 8),))
+    p = NvGemmPass()
+    p(ep.graph_module)
+    assert p.report.stats["fused"] == 0
+    assert "addmm already applies" in p.report.skips[0].reason
+
+
+def test_graph_without_metadata_is_declined_not_guessed():
+    gm = torch.fx.symbolic_trace(lambda x, w: torch.ops.aten.relu.default(torch.ops.aten.mm.default(x, w)))
+    p = NvGemmPass()
+    assert p(gm).modified is False
+    assert "no tensor metadata" in p.report.skips[0].reason
+
+
+def test_residual_from_another_matmul_is_claimed_once():
+    def f(x, w1, w2):
+        return torch.relu(x @ w1 + x @ w2)
+
+    args = (torch.randn(4, 8), torch.randn(8, 16), torch.randn(8, 16))
+    gm = make_fx(f)(*args)
+    out = nvgemm(gm)
+    assert specs(out) == ["w=kn;residual@0;relu;out=float32"]
+    (node,) = fused_nodes(out)
+    assert node.args[2][0].target is aten.mm.default, "the other matmul feeds the residual, unfused"
+    torch.testing.assert_close(out(*args), gm(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_registered_as_nvgemm_and_no_op_reports_unchanged():
+    assert get_pass("nvgemm").name == "nvgemm"
+    gm = make_fx(lambda x: x.sin())(torch.randn(3))
+    p = NvGemmPass()
+    assert p(gm).modified is False and p.report.skips == []

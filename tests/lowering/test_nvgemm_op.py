@@ -1,0 +1,252 @@
+"""The fused op on CPU: reference numerics for every epilogue, the table's
+formulas against torch's own ops, export / save / load / make_fx of rewritten
+programs, argument errors, and the "says once why" fallback warning."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm import (
+    EPILOGUE_OPS,
+    TORCH_MATH,
+    EpilogueSpec,
+    NvGemmFallbackWarning,
+    fused_gemm_epilogue,
+    nvgemm,
+)
+from branchyard.lowering.nvgemm import op as op_mod
+from branchyard.lowering.nvgemm.epilogue import reference_fused_gemm, unfused_aten_epilogue
+
+FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
+
+NATIVE = {
+    "relu": torch.relu,
+    "gelu_erf": lambda x: F.gelu(x),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallback():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NvGemmFallbackWarning)
+        yield
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_table_formula_matches_torch_in_fp32(name):
+    x = torch.linspace(-12, 12, 4001)
+    torch.testing.assert_close(EPILOGUE_OPS[name].apply(x, None, TORCH_MATH), NATIVE[name](x), rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_variants_differ():
+    x = torch.linspace(-4, 4, 801)
+    erf = EPILOGUE_OPS["gelu_erf"].apply(x, None, TORCH_MATH)
+    tanh = EPILOGUE_OPS["gelu_tanh"].apply(x, None, TORCH_MATH)
+    assert (erf - tanh).abs().max() > 1e-4, "a swapped GELU would go unnoticed"
+    assert (erf - F.gelu(x, approximate="tanh")).abs().max() > 1e-4
+
+
+def _case(spec_text, dtype, m=33, n=48, k=40, layout="kn", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = (torch.randn(k, n, generator=g) / k**0.5).to(dtype)
+    if layout == "nk":
+        b = b.t().contiguous()
+    spec = EpilogueSpec.parse(f"w={layout};{spec_text}")
+    ops = []
+    for st in spec.steps:
+        if st.op.operand == "col":
+            ops.append(torch.randn(n, generator=g).to(dtype))
+        elif st.op.operand == "matrix":
+            ops.append(torch.randn(m, n, generator=g).to(dtype))
+    return a, b, ops, spec
+
+
+EPILOGUES = [
+    "bias@0;out={d}",
+    "scale:0.125;out={d}",
+    "scale_col@0;out={d}",
+    "residual@0;out={d}",
+    "bias@0;relu;out={d}",
+    "bias@0;gelu_erf;out={d}",
+    "bias@0;gelu_tanh;out={d}",
+    "bias@0;silu;out={d}",
+    "sigmoid;out={d}",
+    "tanh;out={d}",
+    "bias@0;gelu_tanh;residual@1;out={d}",
+    "scale:0.5;residual@0;out={d}",
+    "bias@0;gelu_erf;cast:float32;out=float32",
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("text", EPILOGUES)
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_reference_matches_independent_fp32_and_unfused_chain(text, dtype, layout):
+    d = str(dtype).removeprefix("torch.")
+    a, b, ops, spec = _case(text.format(d=d), dtype, layout=layout)
+    got = fused_gemm_epilogue(a, b, ops, str(spec))
+    assert got.dtype == spec.out_dtype and got.shape == (33, 48)
+    # Independent fp32 computation with torch's own ops (not the table formulas).
+    b_kn = b.t() if layout == "nk" else b
+    y = a.double() @ b_kn.double()
+    for st in spec.steps:
+        name = st.op.name
+        if name in NATIVE:
+            y = NATIVE[name](y)
+        elif name in ("bias", "residual"):
+            y = y + ops[st.operand].double()
+        elif name == "scale":
+            y = y * st.operand
+        elif name == "scale_col":
+            y = y * ops[st.operand].double()
+    torch.testing.assert_close(got.float(), y.to(spec.out_dtype).float(), **TOL[dtype])
+    # The unfused ATen chain (rounded per op) agrees within 16-bit tolerance too.
+    unfused = unfused_aten_epilogue(a @ b_kn, spec, ops)
+    torch.testing.assert_close(got.float(), unfused.float(), **{k: 2 * v for k, v in TOL[dtype].items()})
+
+
+def test_3d_input_and_broadcast_shaped_operands():
+    a = torch.randn(2, 3, 16)
+    w = torch.randn(8, 16)
+    bias, res = torch.randn(1, 1, 8), torch.randn(2, 3, 8)
+    out = fused_gemm_epilogue(a, w, [bias, res], "w=nk;bias@0;silu;residual@1;out=float32")
+    assert out.shape == (2, 3, 8)
+    torch.testing.assert_close(out, F.silu(a @ w.t() + bias) + res, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "a, b, ops, spec, match",
+    [
+        (torch.randn(4, 8), torch.randn(8, 16), [], "bias@0;out=float32", "takes 1 operand tensors, got 0"),
+        (torch.randn(4, 8), torch.randn(8, 16), [torch.randn(8)], "bias@0;out=float32",
+         r"operand 0 of step 'bias' has shape \[8\]; expected \[N\] with M=4, N=16"),
+        (torch.randn(4, 8), torch.randn(8, 16), [torch.randn(16)], "residual@0;out=float32",
+         r"expected \[M, N\]"),
+        (torch.randn(4, 9), torch.randn(8, 16), [], "relu;out=float32", r"expected \[\.\.\., 8\]"),
+        (torch.randn(4, 8), torch.randn(8, 16), [], "gelu;out=float32", "unknown epilogue step 'gelu'"),
+        (torch.randn(4, 8), torch.randn(8, 16), [], "relu", "missing 'out=<dtype>'"),
+        (torch.randn(4, 8), torch.randn(8, 16), [], "relu;out=float8", "unknown dtype 'float8'"),
+        (torch.randn(4, 8), torch.randn(8, 16), [], "scale:abc;out=float32", "malformed operand"),
+    ],
+)
+def test_bad_arguments_raise_lowering_error(a, b, ops, spec, match):
+    with pytest.raises(LoweringError, match=match):
+        fused_gemm_epilogue(a, b, ops, f"w=kn;{spec}")
+
+
+def test_fallback_warns_once_per_reason(monkeypatch):
+    op_mod.reset_fallback_warnings()
+    a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused_gemm_epilogue(a, b, ops, str(spec))
+        fused_gemm_epilogue(a, b, ops, str(spec))
+    mine = [w for w in caught if issubclass(w.category, NvGemmFallbackWarning)]
+    assert len(mine) == 1 and "tensors are on cpu, not CUDA" in str(mine[0].message)
+    assert "tensors are on cpu, not CUDA" in op_mod.fallback_reasons()
+
+
+def test_layout_ineligibility_reasons():
+    h = torch.float16
+    assert "float32" in op_mod.layout_ineligibility(torch.randn(4, 8), torch.randn(8, 16), [], 8, 16)
+    assert "K=12 is not a multiple of 8" in op_mod.layout_ineligibility(
+        torch.randn(4, 12, dtype=h), torch.randn(12, 16, dtype=h), [], 12, 16)
+    assert "N=20 is not a multiple of 8" in op_mod.layout_ineligibility(
+        torch.randn(4, 8, dtype=h), torch.randn(8, 20, dtype=h), [], 8, 20)
+    base = torch.randn(4 * 8 + 1, dtype=h)
+    shifted = base[1:].view(4, 8)  # 2 bytes off a 16-byte boundary
+    assert "input pointer is not 16-byte aligned" in op_mod.layout_ineligibility(
+        shifted, torch.randn(8, 16, dtype=h), [], 8, 16)
+    bias = torch.randn(17, dtype=h)[1:]
+    assert "operand 0 pointer" in op_mod.layout_ineligibility(
+        torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [bias], 8, 16)
+    assert op_mod.layout_ineligibility(torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [], 8, 16) is None
+
+
+def test_eligible_path_hands_2d_views_to_the_selected_impl(monkeypatch):
+    """With eligibility forced, the op flattens a to [M, K], hands b as [K, N],
+    col operands as [N], matrix operands as [M, N], and an out of the spec dtype."""
+    seen = {}
+
+    def impl(a2d, b_kn, ops, out):
+        seen.update(a=a2d.shape, b=b_kn.shape, ops=[t.shape for t in ops], out=(out.shape, out.dtype))
+        out.copy_(reference_fused_gemm(a2d, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;residual@1;out=bfloat16")))
+
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    monkeypatch.setattr(op_mod, "_gpu_impl", lambda *args: impl)
+    a, w = torch.randn(2, 3, 16), torch.randn(8, 16)
+    bias, res = torch.randn(1, 8), torch.randn(2, 3, 8)
+    out = fused_gemm_epilogue(a, w, [bias, res], "w=nk;bias@0;residual@1;out=bfloat16")
+    assert seen == dict(a=(6, 16), b=(16, 8), ops=[(8,), (6, 8)], out=((6, 8), torch.bfloat16))
+    assert out.shape == (2, 3, 8) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), (a @ w.t() + bias + res), rtol=1.6e-2, atol=1.6e-2)
+
+
+# --- the rewritten program exports, saves, loads and traces --------------------
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.proj = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(x)))
+
+
+def _count(graph):
+    return sum(1 for n in graph.nodes if n.target is FUSED)
+
+
+def test_rewritten_program_saves_loads_and_reexports():
+    x = torch.randn(2, 5, 16)
+    ep = torch.export.export(Block(), (x,))
+    fused = nvgemm(ep)
+    assert _count(fused.graph) == 2
+    buf = io.BytesIO()
+    torch.export.save(fused, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    assert _count(loaded.graph) == 2
+    torch.testing.assert_close(loaded.module()(x), ep.module()(x), rtol=1e-5, atol=1e-5)
+    again = torch.export.export(loaded.module(), (x,))
+    assert _count(again.graph) == 2
+    torch.testing.assert_close(again.module()(x), ep.module()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rewritten_program_traces_with_make_fx_and_dynamic_batch():
+    x = torch.randn(4, 16)
+    batch = torch.export.Dim("batch", min=2, max=1024)
+    ep = torch.export.export(Block(), (x,), dynamic_shapes=({0: batch},))
+    fused = nvgemm(ep)
+    node = next(n for n in fused.graph.nodes if n.target is FUSED)
+    assert not isinstance(node.meta["val"].shape[0], int), "M stays symbolic"
+    for m in (2, 7, 100):
+        xm = torch.randn(m, 16)
+        torch.testing.assert_close(fused.module()(xm), ep.module()(xm), rtol=1e-5, atol=1e-5)
+    # make_fx with fake/symbolic tensors needs the parameters as inputs (as for
+    # any exported module); real-mode tracing takes the module as is.
+    module = fused.module()
+    assert _count(make_fx(module)(torch.randn(4, 16)).graph) == 2
+    params = dict(module.named_parameters())
+    gm = make_fx(lambda p, x: torch.func.functional_call(module, p, (x,)), tracing_mode="symbolic")(
+        params, torch.randn(3, 16))
+    assert _count(gm.graph) == 2
+    x6 = torch.randn(6, 16)
+    torch.testing.assert_close(gm(params, x6), ep.module()(x6), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,596 @@
+"""Check that two programs agree on every control-flow path.
+
+:func:`assert_equivalent` is the tool for unit-testing a graph transform
+(yours or ours): give it the program before and after the transform and one
+set of example inputs. It
+
+1. finds every control decision of ``before`` -- each ``cond`` predicate and
+   each ``switch`` index, at any nesting depth -- and the graph inputs each
+   one depends on (a backward slice that follows branch operands out to the
+   top-level inputs), together with the constants the decision compares
+   against;
+2. drives those inputs: a 0-d bool takes both values; a 0-d integer takes
+   every compared constant and its neighbours, every switch index, ``-1``,
+   ``n`` and far out-of-range values; a float tensor takes sign flips, scaled
+   copies and the compared constants; other inputs keep their example values.
+   Explicit ``input_sets`` are run as well;
+3. runs both programs on every input set under a recording
+   ``torch.fx.Interpreter`` that notes the branch each ``cond``/``switch``
+   took (and whether a switch index was clamped), and compares the outputs;
+4. checks coverage: every branch of every ``cond``/``switch`` of ``before``
+   reached, and for a switch whose index is clamped, an index below and one
+   above the range seen. A branch never driven is an error, not a pass.
+
+Semantics as code -- what "equivalent" means here::
+
+    for inputs in driven_input_sets(before, example_inputs) + input_sets:
+        try:
+            expected, path_b = run_recording(before, inputs)
+        except Exception:
+            continue                      # before is undefined there
+        actual, path_a = run_recording(after, inputs)   # must not raise
+        assert allclose(flat(actual), flat(expected), rtol, atol)
+    assert every branch of before was on some path_b
+
+A minimal use::
+
+    >>> import torch
+    >>> from branchyard.testing import assert_equivalent
+    >>> class M(torch.nn.Module):
+    ...     def forward(self, flag, x):
+    ...         return torch.cond(flag, lambda t: t + 1, lambda t: t - 1, (x,))
+    >>> ep = torch.export.export(M(), (torch.tensor(True), torch.randn(3)))
+    >>> report = assert_equivalent(ep, lambda flag, x: x + 1 if flag else x - 1,
+    ...                            (torch.tensor(True), torch.randn(3)))
+    >>> report.covered == report.required
+    True
+    >>> sorted(report.required)
+    [('cond', 'false'), ('cond', 'true')]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Interpreter, Node
+
+from branchyard._compat import HAS_SWITCH
+from branchyard.errors import BranchyardError, EquivalenceError
+
+__all__ = [
+    "Decision",
+    "ControlSite",
+    "EquivalenceReport",
+    "IncompleteCoverageError",
+    "assert_equivalent",
+    "find_control_sites",
+    "run_recording",
+    "format_path",
+]
+
+_COND = torch.ops.higher_order.cond
+_SWITCH = torch.ops.higher_order.switch if HAS_SWITCH else None
+_CLAMPS = {torch.ops.aten.clamp.default, torch.ops.aten.clamp.Tensor} if hasattr(torch.ops.aten, "clamp") else set()
+#: Far out-of-range switch indices to try (before dtype limits are applied).
+_FAR = 1 << 20
+
+
+class IncompleteCoverageError(EquivalenceError):
+    """Some branch of ``before`` was never driven, so equivalence is unproven there."""
+
+
+# ---------------------------------------------------------------------------
+# paths
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One control decision on a path: the site (``cond``/``switch`` node,
+    nested sites are ``outer[branch]/inner``), the branch taken (``"true"``,
+    ``"false"`` or the switch branch number as text) and, for a switch whose
+    index was clamped, the raw index before clamping."""
+
+    site: str
+    kind: str
+    branch: str
+    raw_index: int | None = None
+
+    def __str__(self) -> str:
+        if self.raw_index is None:
+            return f"{self.site} -> {self.branch}"
+        return f"{self.site} -> {self.branch} (index {self.raw_index} clamped)"
+
+
+Path = tuple  # tuple[Decision, ...]
+
+
+def format_path(path: Path | None) -> str:
+    """A path as readable text."""
+    if path is None:
+        return "(not recorded: opaque callable)"
+    if not path:
+        return "(no control flow)"
+    return ", ".join(str(d) for d in path)
+
+
+# ---------------------------------------------------------------------------
+# static analysis: control sites and the inputs that drive them
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ControlSite:
+    """A ``cond`` or ``switch`` of a program, at any depth.
+
+    ``labels`` are the branches it must take for full coverage (``"true"``,
+    ``"false"``; ``"0"`` .. ``"n-1"``, plus ``"below range"``/``"above range"``
+    when the switch index comes from a clamp); ``inputs`` the top-level
+    placeholder positions its decision depends on; ``constants`` the numbers
+    the decision is computed with.
+    """
+
+    site: str
+    kind: str
+    node: Node
+    labels: list[str]
+    inputs: set[int] = field(default_factory=set)
+    constants: set[float] = field(default_factory=set)
+    num_branches: int = 2
+
+
+def _branch_modules(gm: GraphModule, node: Node) -> list[tuple[str, GraphModule]]:
+    """(label, branch GraphModule) pairs of a cond/switch node."""
+    if node.target is _COND:
+        return [("true", getattr(gm, node.args[1].target)), ("false", getattr(gm, node.args[2].target))]
+    return [(str(k), getattr(gm, b.target)) for k, b in enumerate(node.args[1])]
+
+
+def _operands(node: Node) -> Sequence:
+    return node.args[3] if node.target is _COND else node.args[2]
+
+
+def _is_control(node: Node) -> bool:
+    return node.op == "call_function" and (node.target is _COND or (_SWITCH is not None and node.target is _SWITCH))
+
+
+def _clamp_source(node: Node) -> Node | None:
+    """The raw index feeding a switch through ``clamp(raw, 0, n - 1)``, if any."""
+    index = node.args[0]
+    if isinstance(index, Node) and index.op == "call_function" and index.target in _CLAMPS:
+        src = index.args[0]
+        return src if isinstance(src, Node) else None
+    return None
+
+
+def _numbers(args: Any) -> Iterable[float]:
+    for leaf in pytree.tree_leaves(args):
+        if isinstance(leaf, (int, float)) and not isinstance(leaf, bool) and math.isfinite(leaf):
+            yield leaf
+
+
+def _slice(start: Any, chain: tuple) -> tuple[set[int], set[float]]:
+    """Top-level placeholder positions and constants the value ``start``
+    depends on. ``chain`` is ((hop node, parent chain), ...) leading from the
+    graph of ``start`` out to the top-level graph."""
+    inputs: set[int] = set()
+    consts: set[float] = set()
+    seen: set[tuple[int, int]] = set()
+    work = [(start, chain)] if isinstance(start, Node) else []
+    consts.update(_numbers(start) if not isinstance(start, Node) else ())
+    while work:
+        node, ch = work.pop()
+        key = (id(node), id(ch))
+        if key in seen:
+            continue
+        seen.add(key)
+        if node.op == "placeholder":
+            pos = [n for n in node.graph.nodes if n.op == "placeholder"].index(node)
+            if not ch:
+                inputs.add(pos)
+                continue
+            hop, parent = ch
+            ops = _operands(hop)
+            if pos < len(ops) and isinstance(ops[pos], Node):
+                work.append((ops[pos], parent))
+            continue
+        consts.update(_numbers((node.args, node.kwargs)))
+        work.extend((n, ch) for n in node.all_input_nodes if n.op != "get_attr")
+    return inputs, consts
+
+
+def find_control_sites(gm: GraphModule) -> list[ControlSite]:
+    """Every ``cond``/``switch`` in ``gm`` and its branches, depth first."""
+    sites: list[ControlSite] = []
+
+    def walk(g: GraphModule, prefix: str, chain: tuple) -> None:
+        for node in g.graph.nodes:
+            if not _is_control(node):
+                continue
+            site = f"{prefix}{node.name}"
+            branches = _branch_modules(g, node)
+            labels = [label for label, _ in branches]
+            decision = node.args[0]
+            if node.target is not _COND:
+                raw = _clamp_source(node)
+                if raw is not None:
+                    labels += ["below range", "above range"]
+                    decision = raw
+            inputs, consts = _slice(decision, chain)
+            sites.append(ControlSite(site, "cond" if node.target is _COND else "switch", node, labels,
+                                     inputs, consts, len(branches)))
+            for label, sub in branches:
+                walk(sub, f"{site}[{label}]/", (node, chain))
+
+    walk(gm, "", ())
+    return sites
+
+
+# ---------------------------------------------------------------------------
+# dynamic: run under a recording interpreter
+# ---------------------------------------------------------------------------
+
+
+class _Recorder(Interpreter):
+    """Runs a graph like ``torch.fx.Interpreter`` and appends a
+    :class:`Decision` to ``path`` at every cond/switch, nested ones included."""
+
+    def __init__(self, gm: GraphModule, path: list, prefix: str = "") -> None:
+        # Keep every value: a clamped switch index's raw value is read after
+        # its last ordinary use.
+        super().__init__(gm, garbage_collect_values=False)
+        self.path = path
+        self.prefix = prefix
+
+    def run_node(self, n: Node) -> Any:
+        if _is_control(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return _HANDLERS[n.target](self, n, *args, **kwargs)
+        return super().run_node(n)
+
+    def run_branch(self, site: str, label: str, branch: GraphModule, operands: Sequence) -> Any:
+        return _Recorder(branch, self.path, f"{site}[{label}]/").run(*operands, enable_io_processing=False)
+
+
+def _run_cond(rec: _Recorder, node: Node, pred: Any, true_fn: GraphModule, false_fn: GraphModule,
+              operands: Sequence) -> Any:
+    take = bool(pred.item() if isinstance(pred, torch.Tensor) else pred)
+    label = "true" if take else "false"
+    site = f"{rec.prefix}{node.name}"
+    rec.path.append(Decision(site, "cond", label))
+    return rec.run_branch(site, label, true_fn if take else false_fn, operands)
+
+
+def _run_switch(rec: _Recorder, node: Node, index: Any, branches: Sequence[GraphModule], operands: Sequence) -> Any:
+    i = int(index.item() if isinstance(index, torch.Tensor) else index)
+    site = f"{rec.prefix}{node.name}"
+    if not 0 <= i < len(branches):
+        # Same contract as the switch HOP itself: callers clamp first.
+        raise IndexError(f"switch {site!r}: index {i} out of range for {len(branches)} branches")
+    raw_node = _clamp_source(node)
+    raw = None
+    if raw_node is not None:
+        value = rec.env[raw_node]
+        raw_i = int(value.item() if isinstance(value, torch.Tensor) else value)
+        raw = raw_i if raw_i != i else None
+    rec.path.append(Decision(site, "switch", str(i), raw))
+    return rec.run_branch(site, str(i), branches[i], operands)
+
+
+#: How each control-flow operator is run and recorded (one row per operator).
+_HANDLERS: dict[Any, Callable[..., Any]] = {_COND: _run_cond}
+if _SWITCH is not None:
+    _HANDLERS[_SWITCH] = _run_switch
+
+
+def run_recording(gm: GraphModule, *args: Any) -> tuple[Any, Path]:
+    """Run ``gm`` on ``args``; return its outputs and the path it took."""
+    path: list[Decision] = []
+    out = _Recorder(gm, path).run(*args)
+    return out, tuple(path)
+
+
+def _covered_labels(path: Path) -> Iterable[tuple[str, str]]:
+    for d in path:
+        yield (d.site, d.branch)
+        if d.raw_index is not None:
+            yield (d.site, "below range" if d.raw_index < int(d.branch) else "above range")
+
+
+# ---------------------------------------------------------------------------
+# programs under test
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Program:
+    role: str
+    call: Callable[..., Any]
+    gm: GraphModule | None
+
+    def run(self, args: tuple) -> tuple[Any, Path | None]:
+        if self.gm is None:
+            return self.call(*args), None
+        return run_recording(self.gm, *args)
+
+
+def _as_program(role: str, obj: Any) -> _Program:
+    if isinstance(obj, ExportedProgram):
+        gm = obj.module()
+        return _Program(role, gm, gm)
+    if isinstance(obj, GraphModule):
+        return _Program(role, obj, obj)
+    if callable(obj):
+        return _Program(role, obj, None)
+    raise BranchyardError(
+        f"`{role}` must be an ExportedProgram, GraphModule, nn.Module or callable, got {type(obj).__name__}",
+        where=f"argument {role!r}",
+    )
+
+
+# ---------------------------------------------------------------------------
+# input driving
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Variant:
+    label: str
+    value: Any
+
+
+def _int_range(dtype: torch.dtype) -> tuple[int, int]:
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def _variants(v: Any, consts: set[float], switch_sizes: set[int]) -> tuple[list[_Variant], list[_Variant]]:
+    """(core, extended) variants of one control input's example value ``v``."""
+    if not isinstance(v, torch.Tensor):
+        return [_Variant(repr(v), v)], []
+    if v.dtype == torch.bool:
+        if v.numel() == 1:
+            return [_Variant(str(b), torch.full_like(v, b)) for b in (False, True)], []
+        return [_Variant("x", v), _Variant("~x", ~v), _Variant("all True", torch.ones_like(v)),
+                _Variant("all False", torch.zeros_like(v))], []
+    if not v.is_floating_point() and not v.is_complex():
+        lo, hi = _int_range(v.dtype)
+        if v.numel() == 1:
+            ints = {int(v.item())}
+            for c in consts:
+                ints.update({math.floor(c) - 1, math.floor(c), math.ceil(c), math.ceil(c) + 1})
+            for n in switch_sizes:
+                ints.update(range(-1, n + 1))
+                ints.update({-_FAR, _FAR})
+            ints = sorted(i for i in ints if lo <= i <= hi)
+            return [_Variant(str(i), torch.full_like(v, i)) for i in ints], []
+        core = [_Variant("x", v), _Variant("-x", -v if lo < 0 else v), _Variant("zeros", torch.zeros_like(v)),
+                _Variant("x+1", v + 1)]
+        return core, [_Variant("x*3", v * 3)]
+    core = [_Variant("x", v), _Variant("-x", -v)]
+    for c in sorted(consts)[:6]:
+        for d in (-0.5, 0.0, 0.5):
+            core.append(_Variant(f"all {c + d:g}", torch.full_like(v, c + d)))
+    ext = [_Variant("x*3", v * 3), _Variant("x*-3", v * -3), _Variant("x/3", v / 3), _Variant("x/-3", v / -3),
+           _Variant("zeros", torch.zeros_like(v))]
+    return core, ext
+
+
+def _combinations(choices: list[list[_Variant]], limit: int, rng: random.Random,
+                  skip: set[tuple[str, ...]]) -> list[tuple[_Variant, ...]]:
+    """All combinations if there are at most ``limit``; else a sample that
+    still uses every variant of every input at least once."""
+    total = math.prod(len(c) for c in choices)
+    if total <= limit:
+        combos = list(itertools.product(*choices))
+    else:
+        width = max(len(c) for c in choices)
+        combos = [tuple(c[(r + k) % len(c)] for k, c in enumerate(choices)) for r in range(width)]
+        while len(combos) < limit:
+            combos.append(tuple(rng.choice(c) for c in choices))
+    out, seen = [], set(skip)
+    for combo in combos:
+        key = tuple(v.label for v in combo)
+        if key not in seen:
+            seen.add(key)
+            out.append(combo)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# comparison
+# ---------------------------------------------------------------------------
+
+
+def _first_difference(expected: list, actual: list, rtol: float, atol: float) -> str | None:
+    if len(expected) != len(actual):
+        return f"before returned {len(expected)} outputs, after returned {len(actual)}"
+    for k, (e, a) in enumerate(zip(expected, actual)):
+        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
+            return f"output {k}: before gave {type(e).__name__}, after gave {type(a).__name__}"
+        if not isinstance(e, torch.Tensor):
+            if e != a:
+                return f"output {k}: before {e!r}, after {a!r}"
+            continue
+        if e.shape != a.shape:
+            return f"output {k}: shape {list(e.shape)} in before, {list(a.shape)} in after"
+        if e.dtype != a.dtype:
+            return f"output {k}: dtype {e.dtype} in before, {a.dtype} in after"
+        if torch.allclose(a.detach(), e.detach(), rtol=rtol, atol=atol, equal_nan=True) if e.is_floating_point() \
+                or e.is_complex() else torch.equal(a, e):
+            continue
+        diff = (a.detach().double() - e.detach().double()).abs()
+        diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+        worst = int(diff.flatten().argmax())
+        return (f"output {k} (shape {list(e.shape)}, {e.dtype}): max abs diff {diff.max().item():.6g} "
+                f"at flat position {worst} (before {e.flatten()[worst].item():.6g}, "
+                f"after {a.flatten()[worst].item():.6g})")
+    return None
+
+
+# ---------------------------------------------------------------------------
+# report and entry point
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class EquivalenceReport:
+    """What :func:`assert_equivalent` ran and covered.
+
+    ``required``/``covered``: (site, branch) pairs of the reference program;
+    ``paths_before``/``paths_after``: each distinct path and how many input
+    sets took it; ``skipped``: input sets on which ``before`` itself raised.
+    """
+
+    input_sets: int
+    required: set[tuple[str, str]]
+    covered: set[tuple[str, str]]
+    paths_before: Counter
+    paths_after: Counter
+    skipped: list[str]
+    reference: str
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.input_sets} input sets compared ({len(self.skipped)} skipped: before raised)",
+            f"coverage of {self.reference}: {len(self.covered & self.required)}/{len(self.required)} branches",
+            f"{len(self.paths_before)} distinct paths in before, {len(self.paths_after)} in after",
+        ]
+        return "\n".join(lines)
+
+
+def _describe(names: list[str], choice: dict[int, _Variant] | None, label: str) -> str:
+    if choice is None:
+        return label
+    return ", ".join(f"{names[i]}={v.label}" for i, v in sorted(choice.items())) or "example inputs"
+
+
+def assert_equivalent(
+    before: Any,
+    after: Any,
+    example_inputs: Sequence[Any],
+    *,
+    input_sets: Iterable[Sequence[Any]] = (),
+    rtol: float = 1.3e-6,
+    atol: float = 1e-5,
+    check_coverage: bool = True,
+    max_input_sets: int = 512,
+    seed: int = 0,
+) -> EquivalenceReport:
+    """Assert that ``after`` computes what ``before`` computes on every path.
+
+    ``before``/``after``: an ``ExportedProgram``, a ``GraphModule``, an
+    ``nn.Module`` or any callable. Control decisions are found in ``before``
+    when it is a graph (ExportedProgram or GraphModule), else in ``after``;
+    paths are recorded for every graph argument. ``example_inputs`` is the
+    positional argument tuple; inputs that feed no decision keep these values.
+    ``input_sets``: extra argument tuples to compare on as well.
+    ``max_input_sets`` caps the driven combinations (sampled, every value of
+    every control input still used) per driving round.
+
+    Raises :class:`~branchyard.errors.EquivalenceError` on the first
+    disagreement, naming the inputs, the path each program took and the first
+    differing output; :class:`IncompleteCoverageError` when a branch of the
+    reference program was never driven (pass ``input_sets`` that reach it, or
+    ``check_coverage=False``). Returns an :class:`EquivalenceReport`.
+    """
+    example = tuple(example_inputs)
+    progs = {"before": _as_program("before", before), "after": _as_program("after", after)}
+    ref = progs["before"] if progs["before"].gm is not None else progs["after"]
+    sites = find_control_sites(ref.gm) if ref.gm is not None else []
+    flat, spec = pytree.tree_flatten(example)
+    placeholders = [n for n in ref.gm.graph.nodes if n.op == "placeholder"] if ref.gm is not None else []
+    names = [n.name for n in placeholders] + [f"input{k}" for k in range(len(placeholders), len(flat))]
+    if ref.gm is not None and len(placeholders) != len(flat):
+        raise BranchyardError(
+            f"{ref.role} takes {len(placeholders)} flat inputs but example_inputs flatten to {len(flat)}",
+            where="argument 'example_inputs'",
+            hint="pass the positional arguments the program is called with",
+        )
+
+    control: dict[int, tuple[set[float], set[int]]] = {}
+    for s in sites:
+        for i in s.inputs:
+            consts, sizes = control.setdefault(i, (set(), set()))
+            consts.update(s.constants)
+            if s.kind == "switch":
+                sizes.add(s.num_branches)
+    order = sorted(control)
+    core_ext = [_variants(flat[i], *control[i]) for i in order]
+    rng = random.Random(seed)
+
+    required = {(s.site, label) for s in sites for label in s.labels}
+    covered: set[tuple[str, str]] = set()
+    paths = {"before": Counter(), "after": Counter()}
+    skipped: list[str] = []
+    runs = 0
+
+    def compare(args: tuple, what: str) -> None:
+        nonlocal runs
+        try:
+            expected, path_b = progs["before"].run(args)
+        except Exception as exc:  # before is undefined here (e.g. an index it cannot take)
+            skipped.append(f"{what}: {type(exc).__name__}: {exc}")
+            return
+        runs += 1
+        try:
+            actual, path_a = progs["after"].run(args)
+        except Exception as exc:
+            raise EquivalenceError(
+                f"after raised {type(exc).__name__}: {exc}\n  before took: {format_path(path_b)}",
+                where=f"inputs ({what})",
+            ) from exc
+        if path_b is not None:
+            paths["before"][path_b] += 1
+        if path_a is not None:
+            paths["after"][path_a] += 1
+        ref_path = path_b if ref is progs["before"] else path_a
+        if ref_path is not None:
+            covered.update(_covered_labels(ref_path))
+        problem = _first_difference(pytree.tree_leaves(expected), pytree.tree_leaves(actual), rtol, atol)
+        if problem is not None:
+            err = EquivalenceError(
+                f"programs disagree\n  before took: {format_path(path_b)}\n  after took:  {format_path(path_a)}\n"
+                f"  first difference: {problem}",
+                where=f"inputs ({what})",
+            )
+            err.path_before, err.path_after, err.difference = path_b, path_a, problem
+            raise err
+
+    def drive(choices: list[list[_Variant]], done: set[tuple[str, ...]]) -> None:
+        for combo in _combinations(choices, max_input_sets, rng, done):
+            done.add(tuple(v.label for v in combo))
+            leaves = list(flat)
+            for i, v in zip(order, combo):
+                leaves[i] = v.value
+            compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo)), ""))
+
+    done: set[tuple[str, ...]] = set()
+    if order:
+        drive([core for core, _ in core_ext], done)
+        if required - covered and any(ext for _, ext in core_ext):
+            drive([core + ext for core, ext in core_ext], done)
+    else:
+        compare(example, "example inputs")
+    for k, args in enumerate(input_sets):
+        compare(tuple(args), f"input_sets[{k}]")
+
+    report = EquivalenceReport(runs, required, covered, paths["before"], paths["after"], skipped, ref.role)
+    missing = sorted(required - covered)
+    if check_coverage and missing:
+        listing = "; ".join(f"{site} -> {label}" for site, label in missing)
+        raise IncompleteCoverageError(
+            f"{len(missing)} branch(es) of {ref.role} never driven: {listing}",
+            where=f"{runs} input sets",
+            hint="pass input_sets that reach them, or check_coverage=False if they are unreachable",
+        )
+    return report

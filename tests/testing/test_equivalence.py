@@ -1,0 +1,273 @@
+"""branchyard.testing.assert_equivalent: drives every branch, names the path
+of a disagreement, refuses to pass on incomplete coverage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchyard._compat import HAS_SWITCH
+from branchyard.errors import BranchyardError, EquivalenceError
+from branchyard.testing import (
+    Decision,
+    IncompleteCoverageError,
+    assert_equivalent,
+    find_control_sites,
+    run_recording,
+)
+
+needs_switch = pytest.mark.skipif(not HAS_SWITCH, reason="needs torch.ops.higher_order.switch (torch >= 2.14)")
+if HAS_SWITCH:
+    from torch._higher_order_ops import switch
+
+X = torch.tensor([0.5, -1.0, 2.0, 3.0])
+
+
+def _export(mod: torch.nn.Module, *args):
+    return torch.export.export(mod, args)
+
+
+# --- programs -----------------------------------------------------------------
+
+
+class CondChain(torch.nn.Module):
+    """b0 if idx <= 0 else b1 if idx == 1 else b2: a 3-way switch written as conds."""
+
+    def forward(self, idx, x):
+        def rest(i, a):
+            return torch.cond(i == 1, lambda j, t: t * 2, lambda j, t: t - 3, (i, a))
+
+        return torch.cond(idx <= 0, lambda i, a: a + 1, rest, (idx, x))
+
+
+def _branches():
+    return [lambda a: a + 1, lambda a: a * 2, lambda a: a - 3]
+
+
+class Switch3(torch.nn.Module):
+    def __init__(self, order=(0, 1, 2), wrap_negative=False):
+        super().__init__()
+        self.order, self.wrap_negative = order, wrap_negative
+
+    def forward(self, idx, x):
+        if self.wrap_negative:  # a wrong "clamp": -1 goes to the last branch
+            idx = torch.where(idx < 0, idx + 3, idx)
+        b = _branches()
+        return switch(idx, [b[k] for k in self.order], (x,))
+
+
+class Nested(torch.nn.Module):
+    """flag ? (x.sum() > 0 ? x + w : x - w) : (idx == 2 ? x * 2 : x / 2), w a parameter."""
+
+    def __init__(self, inner_false=lambda t, w: t - w):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        self.inner_false = inner_false
+
+    def forward(self, flag, idx, x):
+        def on(i, a, w):
+            return torch.cond(a.sum() > 0, lambda t, v: t + v, self.inner_false, (a, w))
+
+        def off(i, a, w):
+            return torch.cond(i == 2, lambda t: t * 2, lambda t: t / 2, (a,))
+
+        return torch.cond(flag, on, off, (idx, x, self.w))
+
+
+def nested_reference(flag, idx, x):
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    if bool(flag):
+        return x + w if x.sum() > 0 else x - w
+    return x * 2 if int(idx) == 2 else x / 2
+
+
+# --- equivalent programs pass, with full coverage -------------------------------
+
+
+def test_nested_conds_match_python_reference_on_every_path():
+    ep = _export(Nested(), torch.tensor(True), torch.tensor(0), X)
+    report = assert_equivalent(ep, nested_reference, (torch.tensor(True), torch.tensor(0), X))
+    assert report.required == {
+        ("cond", "true"), ("cond", "false"),
+        ("cond[true]/cond", "true"), ("cond[true]/cond", "false"),
+        ("cond[false]/cond", "true"), ("cond[false]/cond", "false"),
+    }
+    assert report.covered == report.required
+    assert len(report.paths_before) == 4  # flag x inner decision
+    assert report.paths_after == {}  # the reference is an opaque callable
+
+
+@needs_switch
+def test_switch_and_cond_chain_are_equivalent_both_ways():
+    args = (torch.tensor(1), X)
+    chain, sw = _export(CondChain(), *args), _export(Switch3(), *args)
+    forward = assert_equivalent(chain, sw, args)
+    backward = assert_equivalent(sw, chain, args)
+    assert forward.covered == forward.required
+    # The switch's clamp makes "below range" and "above range" required too.
+    assert backward.required == {("switch", "0"), ("switch", "1"), ("switch", "2"),
+                                 ("switch", "below range"), ("switch", "above range")}
+    assert backward.covered == backward.required
+    assert len(backward.paths_after) == 3
+
+
+def test_graph_module_and_module_arguments():
+    args = (torch.tensor(True), torch.tensor(2), X)
+    ep = _export(Nested(), *args)
+    class PyNested(torch.nn.Module):  # eager Python control flow: an opaque module
+        def forward(self, flag, idx, x):
+            return nested_reference(flag, idx, x)
+
+    report = assert_equivalent(ep.module(), PyNested(), args)
+    assert report.covered == report.required
+    # With an opaque `before`, control flow is found in `after` instead.
+    flipped = assert_equivalent(PyNested(), ep.module(), args)
+    assert flipped.reference == "after" and flipped.covered == flipped.required
+
+
+# --- a wrong rewrite on one path is caught and the path named -------------------
+
+
+@needs_switch
+def test_swapped_switch_leaves_are_caught_on_that_path():
+    args = (torch.tensor(0), X)
+    good, bad = _export(Switch3(), *args), _export(Switch3(order=(0, 2, 1)), *args)
+    with pytest.raises(EquivalenceError, match=r"(?s)inputs \(idx=1\).*before took: switch -> 1.*max abs diff") as info:
+        assert_equivalent(good, bad, args)
+    assert info.value.path_before == (Decision("switch", "switch", "1"),)
+    assert info.value.path_after == (Decision("switch", "switch", "1"),)
+    assert "output 0" in info.value.difference
+
+
+@needs_switch
+def test_wrong_out_of_range_clamp_is_caught_and_named():
+    args = (torch.tensor(0), X)
+    good, bad = _export(Switch3(), *args), _export(Switch3(wrap_negative=True), *args)
+    with pytest.raises(EquivalenceError, match=r"(?s)idx=-1\).*switch -> 0 \(index -1 clamped\).*switch -> 2") as info:
+        assert_equivalent(good, bad, args)
+    assert info.value.path_before == (Decision("switch", "switch", "0", raw_index=-1),)
+
+
+def test_wrong_leaf_in_one_nested_branch_is_named():
+    args = (torch.tensor(True), torch.tensor(0), X)
+    good = _export(Nested(), *args)
+    bad = _export(Nested(inner_false=lambda t, w: t - 2 * w), *args)
+    with pytest.raises(EquivalenceError, match=r"cond -> true, cond\[true\]/cond -> false") as info:
+        assert_equivalent(good, bad, args)
+    assert [d.branch for d in info.value.path_before] == ["true", "false"]
+
+
+def test_tolerances_are_configurable():
+    args = (torch.tensor(True), torch.tensor(0), X)
+    ep = _export(Nested(), *args)
+
+    def noisy(*a):
+        return nested_reference(*a) + 1e-4
+
+    with pytest.raises(EquivalenceError, match="max abs diff 0.0001"):
+        assert_equivalent(ep, noisy, args)
+    assert_equivalent(ep, noisy, args, atol=1e-3)
+
+
+def test_after_raising_is_an_equivalence_error():
+    args = (torch.tensor(True), torch.tensor(0), X)
+    ep = _export(Nested(), *args)
+
+    def fragile(flag, idx, x):
+        if not bool(flag):
+            raise ValueError("cannot do the off branch")
+        return nested_reference(flag, idx, x)
+
+    with pytest.raises(EquivalenceError, match=r"(?s)after raised ValueError: cannot do the off branch.*cond -> false"):
+        assert_equivalent(ep, fragile, args)
+
+
+def test_output_structure_mismatch_is_named():
+    args = (torch.tensor(True), torch.tensor(0), X)
+    ep = _export(Nested(), *args)
+    with pytest.raises(EquivalenceError, match=r"shape \[4\] in before, \[2\] in after"):
+        assert_equivalent(ep, lambda *a: nested_reference(*a)[:2], args)
+    with pytest.raises(EquivalenceError, match="before returned 1 outputs, after returned 2"):
+        assert_equivalent(ep, lambda *a: (nested_reference(*a), a[2]), args)
+
+
+# --- coverage -------------------------------------------------------------------
+
+
+class Unreachable(torch.nn.Module):
+    def forward(self, flag, x):
+        def on(a):
+            # |a| summed is never negative: the true side is dead code
+            return torch.cond(a.abs().sum() < -1, lambda t: t * 0, lambda t: t + 1, (a,))
+
+        return torch.cond(flag, on, lambda a: a - 1, (x,))
+
+
+def test_undriven_branch_is_reported_by_name():
+    args = (torch.tensor(True), X)
+    ep = _export(Unreachable(), *args)
+    with pytest.raises(IncompleteCoverageError, match=r"1 branch\(es\) of before never driven: cond\[true\]/cond -> true"):
+        assert_equivalent(ep, ep, args)
+    report = assert_equivalent(ep, ep, args, check_coverage=False)
+    assert report.required - report.covered == {("cond[true]/cond", "true")}
+
+
+def test_parameter_only_predicate_cannot_be_driven():
+    class ByWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return torch.cond(self.w.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,))
+
+    ep = _export(ByWeight(), X)
+    (site,) = find_control_sites(ep.module())
+    assert site.inputs == set()
+    with pytest.raises(IncompleteCoverageError, match=r"cond -> false"):
+        assert_equivalent(ep, ep, (X,))
+
+
+def test_explicit_input_sets_are_compared_too():
+    args = (torch.tensor(True), torch.tensor(0), X)
+    ep = _export(Nested(), *args)
+
+    def wrong_for_big_x(flag, idx, x):
+        return nested_reference(flag, idx, x) + (x.abs().max() > 50).float()
+
+    # Driving never scales x past 50, so this passes ...
+    assert_equivalent(ep, wrong_for_big_x, args)
+    # ... until an explicit input set reaches the bad region.
+    with pytest.raises(EquivalenceError, match=r"inputs \(input_sets\[0\]\)"):
+        assert_equivalent(ep, wrong_for_big_x, args, input_sets=[(torch.tensor(False), torch.tensor(2), X * 100)])
+
+
+# --- the pieces -----------------------------------------------------------------
+
+
+def test_control_sites_and_their_inputs():
+    ep = _export(Nested(), torch.tensor(True), torch.tensor(0), X)
+    sites = {s.site: s for s in find_control_sites(ep.module())}
+    assert sorted(sites) == ["cond", "cond[false]/cond", "cond[true]/cond"]
+    # placeholders of ep.module(): flag=0, idx=1, x=2; slices follow operands outwards
+    assert sites["cond"].inputs == {0}
+    assert sites["cond[true]/cond"].inputs == {2}
+    assert sites["cond[false]/cond"].inputs == {1}
+    assert 2 in sites["cond[false]/cond"].constants
+
+
+@needs_switch
+def test_run_recording_reports_clamped_index():
+    ep = _export(Switch3(), torch.tensor(0), X)
+    out, path = run_recording(ep.module(), torch.tensor(7), X)
+    torch.testing.assert_close(out, X - 3)
+    assert path == (Decision("switch", "switch", "2", raw_index=7),)
+    assert str(path[0]) == "switch -> 2 (index 7 clamped)"
+
+
+def test_bad_arguments():
+    ep = _export(Nested(), torch.tensor(True), torch.tensor(0), X)
+    with pytest.raises(BranchyardError, match="before takes 3 flat inputs but example_inputs flatten to 2"):
+        assert_equivalent(ep, nested_reference, (torch.tensor(True), X))
+    with pytest.raises(BranchyardError, match="`after` must be an ExportedProgram.*got int"):
+        assert_equivalent(ep, 3, (torch.tensor(True), torch.tensor(0), X))

@@ -1,0 +1,141 @@
+"""Sweep our CuTeDSL fused-GEMM kernel's configs against torch on the GPU.
+
+For each shape and epilogue chain: compile every candidate config, check it
+against the fp32 reference (poisoned output), time it, and time ``torch.mm``
+(``F.linear``), the unfused ATen chain and, where it applies,
+``torch._addmm_activation``. Timing is Triton's ``do_bench`` (L2 flushed
+before every launch, median of repeats) when Triton is importable, else CUDA
+events around launches that rotate over enough weight copies to miss L2.
+
+    python benchmarks/nvgemm_kernel_sweep.py --quick      # a few shapes
+    python benchmarks/nvgemm_kernel_sweep.py --json out.json
+
+Prints one row per (shape, chain, candidate) and a summary per (shape, chain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from branchyard.lowering.nvgemm import cutedsl_gemm as cg
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm, unfused_aten_epilogue
+
+CHAINS = {
+    "plain": "",
+    "bias+gelu_erf": "bias@0;gelu_erf",
+    "bias+silu": "bias@0;silu",
+    "bias+gelu_tanh+res": "bias@0;gelu_tanh;residual@1",
+    "scale+res": "scale:0.5;residual@0",
+}
+
+
+def bench(fn, rep_ms: int = 60) -> float:
+    """Median µs of ``fn`` with a cold L2."""
+    try:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=15, rep=rep_ms, return_mode="median") * 1e3
+    except ImportError:
+        pass
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    times = []
+    for _ in range(30):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def operands_for(spec: EpilogueSpec, m: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    ops: list[torch.Tensor] = []
+    for step in spec.steps:
+        if step.op.operand == "col":
+            ops.append(torch.randn(n, device="cuda", dtype=dtype))
+        elif step.op.operand == "matrix":
+            ops.append(torch.randn(m, n, device="cuda", dtype=dtype))
+    return ops
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few shapes and chains only")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--json", help="write all rows here")
+    parser.add_argument("--shapes", help="M,N,K;M,N,K;... (overrides the defaults)")
+    parser.add_argument("--chains", help="comma-separated names from CHAINS")
+    args = parser.parse_args()
+    ok, why = cg.cutedsl_available()
+    if not ok:
+        print(f"CuTeDSL kernel unavailable: {why}")
+        return 2
+    dtype = getattr(torch, args.dtype)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
+    elif args.quick:
+        shapes = [(8192, 14336, 4096), (4096, 4096, 4096), (16, 4096, 4096)]
+    else:
+        shapes = [(m, n, k) for m in (1, 16, 128, 2048, 8192) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336))]
+    chains = args.chains.split(",") if args.chains else list(CHAINS)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, dtype {args.dtype}")
+    rows, summary = [], []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=dtype) / k**0.25
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.25
+        t_mm = bench(lambda: F.linear(a, w))
+        for chain in chains:
+            text = ";".join(p for p in ("w=nk", CHAINS[chain], f"out={args.dtype}") if p)
+            spec = EpilogueSpec.parse(text)
+            ops = operands_for(spec, m, n, dtype)
+            ref = reference_fused_gemm(a, w, ops, spec)
+            t_unfused = bench(lambda: unfused_aten_epilogue(F.linear(a, w), spec, ops))
+            t_addmm = float("nan")
+            if chain == "bias+gelu_tanh+res":
+                t_addmm = bench(lambda: torch._addmm_activation(ops[0], a, w.t(), use_gelu=True) + ops[1])
+            best = (math.inf, "")
+            for config in cg.candidate_configs(m, n, k, dtype):
+                t0 = time.time()
+                try:
+                    fn = cg.compile_fused_gemm(spec, dtype, config)
+                except Exception as exc:  # report and go on: one broken config must not end the sweep
+                    print(f"  {chain:20s} {config.name:18s} COMPILE FAILED {str(exc)[:300]}")
+                    continue
+                compile_s = time.time() - t0
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+                fn(a, w.t(), ops, out)
+                torch.cuda.synchronize()
+                err = (out.float() - ref.float()).abs().max().item()
+                scale = max(1.0, ref.float().abs().max().item())
+                good = not out.isnan().any().item() and err <= 3e-2 * scale
+                t = bench(lambda: fn(a, w.t(), ops, out)) if good else float("nan")
+                row = dict(m=m, n=n, k=k, chain=chain, config=config.name, us=t, err=err, ok=good,
+                           compile_s=compile_s, mm_us=t_mm, unfused_us=t_unfused, addmm_act_us=t_addmm)
+                rows.append(row)
+                print(f"  {m:5d}x{n:5d}x{k:5d} {chain:20s} {config.name:18s} {t:9.1f} us  err {err:.2e} "
+                      f"{'ok ' if good else 'BAD'} compile {compile_s:.1f}s", flush=True)
+                if good and t < best[0]:
+                    best = (t, config.name)
+            summary.append((m, n, k, chain, t_mm, t_unfused, t_addmm, best[0], best[1]))
+    print("\nM     N     K     chain                 mm_us  unfused_us  addmm_act_us  fused_us  fused/mm  unfused/fused  best")
+    for m, n, k, chain, t_mm, t_un, t_ad, t_f, name in summary:
+        print(f"{m:<5d} {n:<5d} {k:<5d} {chain:20s} {t_mm:7.1f} {t_un:11.1f} {t_ad:13.1f} {t_f:9.1f} "
+              f"{t_f / t_mm:9.3f} {t_un / t_f:14.3f}  {name}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""The CuTeDSL kernel behind :mod:`branchyard.lowering.nvgemm.cutedsl_gemm`.
+
+Kept apart because its class body needs ``cutlass`` at definition time; the
+class is built on first use by :func:`build_kernel_class`, so this module (like
+its caller) imports on machines without CuTeDSL. Written for this project
+against the CuTeDSL 4.x API (TMA atoms, wgmma tiled MMA, ``PipelineTmaAsync``);
+the design notes are in ``docs/nvgemm_kernel.md``.
+
+Per CTA (one ``tile_m x tile_n`` output tile)::
+
+    warp 0:            TMA A[tile_m, 64], B[tile_n, 64] -> smem stage s   (ring of S stages)
+    every warpgroup:   wait stage s full -> wgmma (4 x k16) -> release stage s-1
+    after the K loop:  acc (fp32 regs) -> epilogue steps in regs -> cast
+                       -> stmatrix to smem -> TMA store (clips ragged M/N)
+"""
+
+
+import functools
+from typing import Any
+
+
+@functools.lru_cache(maxsize=1)
+def build_kernel_class() -> type:
+    """Import CuTeDSL and define :class:`FusedGemmKernel` (cached)."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.pipeline as pipeline
+    import cutlass.utils as utils
+    import cutlass.utils.hopper_helpers as sm90
+
+    from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K, _CuteMath
+
+    # Accumulator elements the epilogue formulas handle per vector (see _apply_steps).
+    _CHUNK = 8
+
+    class FusedGemmKernel:
+        """``out = epilogue(A @ B^T)`` with A (M, K), B (N, K), out (M, N); see module doc."""
+
+        def __init__(self, steps: tuple, config: Any, types: dict) -> None:
+            self.steps = steps
+            self.config = config
+            self.types = types
+            self.tile_mnk = (config.tile_m, config.tile_n, TILE_K)
+            self.cluster_mn = (config.cluster_m, config.cluster_n)
+            self.atom_layout = (config.warpgroups, 1, 1)
+            self.threads = config.threads
+            self.epi_tile = config.epi_tile
+            self.acc_dtype = cutlass.Float32
+
+        # ------------------------------------------------------------------ host
+        @cute.jit
+        def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, stream):
+            ab_dtype = mA.element_type
+            c_dtype = mC.element_type
+            a_layout = utils.LayoutEnum.from_tensor(mA)
+            b_layout = utils.LayoutEnum.from_tensor(mB)
+            c_layout = utils.LayoutEnum.from_tensor(mC)
+            tiled_mma = sm90.make_trivial_tiled_mma(
+                ab_dtype,
+                ab_dtype,
+                a_layout.sm90_mma_major_mode(),
+                b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                self.atom_layout,
+                tiler_mn=(64, self.tile_mnk[1]),
+            )
+            stages = self.config.ab_stages(ab_dtype.width // 8)
+            sA_layout = sm90.make_smem_layout_a(a_layout, self.tile_mnk, ab_dtype, stages)
+            sB_layout = sm90.make_smem_layout_b(b_layout, self.tile_mnk, ab_dtype, stages)
+            sC_layout = sm90.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, 4)
+
+            # TMA loads: multicast A across the cluster's N extent, B across its M extent.
+            mcast_a, mcast_b = self.cluster_mn[1], self.cluster_mn[0]
+            tma_a, gA = self._tma_load(mA, sA_layout, (self.tile_mnk[0], self.tile_mnk[2]), mcast_a)
+            tma_b, gB = self._tma_load(mB, sB_layout, (self.tile_mnk[1], self.tile_mnk[2]), mcast_b)
+            tma_c, gC = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                mC,
+                cute.slice_(sC_layout, (None, None, 0)),
+                self.epi_tile,
+            )
+
+            tiles_m = (mC.shape[0] + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+            tiles_n = (mC.shape[1] + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+            cm, cn = self.cluster_mn
+            grid = ((tiles_m + cm - 1) // cm * cm, (tiles_n + cn - 1) // cn * cn, 1)
+
+            @cute.struct
+            class Storage:
+                full_empty: cute.struct.MemRange[cutlass.Int64, stages * 2]
+                sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sA_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sB_layout)], 1024]
+                sC: cute.struct.Align[cute.struct.MemRange[c_dtype, cute.cosize(sC_layout)], 1024]
+
+            self.storage = Storage
+            self.ab_dtype = ab_dtype
+            self.stages = stages
+            self.c_layout = c_layout
+            self.kernel(
+                tma_a, gA, tma_b, gB, tma_c, gC, mC, operands, tiled_mma, sA_layout, sB_layout, sC_layout
+            ).launch(
+                grid=grid,
+                block=[self.threads, 1, 1],
+                cluster=(*self.cluster_mn, 1),
+                stream=stream,
+            )
+
+        @staticmethod
+        def _tma_load(tensor, smem_layout_staged, tile, mcast: int):
+            op = (
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+                if mcast == 1
+                else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            )
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), tile, num_multicast=mcast
+            )
+
+        # ---------------------------------------------------------------- device
+        @cute.kernel
+        def kernel(
+            self,
+            tma_a: cute.CopyAtom,
+            gA_full: cute.Tensor,
+            tma_b: cute.CopyAtom,
+            gB_full: cute.Tensor,
+            tma_c: cute.CopyAtom,
+            gC_full: cute.Tensor,
+            mC: cute.Tensor,
+            operands: tuple,
+            tiled_mma: cute.TiledMma,
+            sA_layout: cute.ComposedLayout,
+            sB_layout: cute.ComposedLayout,
+            sC_layout: cute.ComposedLayout,
+        ):
+            tidx, _, _ = cute.arch.thread_idx()
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 0:
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+            # ---- which tile: grouped raster over clusters, so that the CTAs that
+            # run together read the same B columns from L2.
+            cidx, cidy, _ = cute.arch.cluster_idx()
+            cdimx, cdimy, _ = cute.arch.cluster_dim()
+            cluster_id = cidx + cdimx * cidy
+            group = self.config.raster_group
+            per_group = group * cdimy
+            first_m = (cluster_id // per_group) * group
+            group_rows = cutlass.min(group, cdimx - first_m)
+            within = cluster_id % per_group
+            cl_m = first_m + within % group_rows
+            cl_n = within // group_rows
+            in_cluster = cute.arch.block_in_cluster_idx()
+            tile_m = cl_m * self.cluster_mn[0] + in_cluster[0]
+            tile_n = cl_n * self.cluster_mn[1] + in_cluster[1]
+            tile_coord = (tile_m, tile_n, None)
+
+            cta_layout = cute.make_layout((*self.cluster_mn, 1))
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cta_coord = cta_layout.get_flat_coord(cta_rank)
+            mask_a = cute.make_layout_image_mask(cta_layout, cta_coord, mode=1)
+            mask_b = cute.make_layout_image_mask(cta_layout, cta_coord, mode=0)
+            if cutlass.const_expr(self.cluster_mn[1] == 1):
+                mask_a = 0
+            if cutlass.const_expr(self.cluster_mn[0] == 1):
+                mask_b = 0
+
+            # ---- shared memory and the full/empty mbarrier ring
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.storage)
+            sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+            sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+            stage_bytes = cute.size_in_bytes(
+                self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))
+            ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+            # Each consumer warp releases a stage to every CTA that multicast into it.
+            mcast_peers = self.cluster_mn[0] + self.cluster_mn[1] - 1
+            ring = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.full_empty.data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * (self.threads // 32)),
+                tx_count=stage_bytes,
+                cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+            # ---- global tiles and their TMA / MMA partitions
+            gA = cute.local_tile(gA_full, self.tile_mnk, tile_coord, proj=(1, None, 1))  # (bM, bK, k)
+            gB = cute.local_tile(gB_full, self.tile_mnk, tile_coord, proj=(None, 1, 1))  # (bN, bK, k)
+            gC = cute.local_tile(gC_full, self.tile_mnk, tile_coord, proj=(1, 1, None))  # (bM, bN)
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_a,
+                cta_coord[1],
+                cute.make_layout(cute.slice_(cta_layout, (0, None, 0)).shape),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b,
+                cta_coord[0],
+                cute.make_layout(cute.slice_(cta_layout, (None, 0, 0)).shape),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            thr_mma = tiled_mma.get_slice(cute.make_layout(self.config.warpgroups, stride=128)(wg))
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            tCgC = thr_mma.partition_C(gC)
+            acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
+
+            pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+            # ---- main loop: warp 0 keeps the ring full, all warpgroups multiply.
+            k_tiles = cute.size(gA, mode=[2])
+            produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            if warp_idx == 0:
+                for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
+                    self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                    produce.advance()
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            k_blocks = cute.size(tCrA, mode=[2])
+            # Zeroed accumulators + always-accumulate: the traced loop body is the
+            # same for every k-tile (no peeled first iteration needed).
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ring.consumer_wait(read)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    coord = (None, None, kb, read.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                # Keep one wgmma batch in flight; the one before it has read its stage.
+                cute.nvgpu.warpgroup.wait_group(1)
+                if kt > 0:
+                    ring.consumer_release(release)
+                    release.advance()
+                read.advance()
+                if warp_idx == 0 and produce.count < k_tiles:
+                    self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                    produce.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            if k_tiles > 0:
+                ring.consumer_release(release)
+
+            # No CTA may leave while a peer can still signal its barriers.
+            if cutlass.const_expr(self.cluster_mn[0] * self.cluster_mn[1] > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+
+            # ---- epilogue in registers
+            if cutlass.const_expr(len(self.steps) > 0):
+                coords = thr_mma.partition_C(
+                    cute.local_tile(cute.make_identity_tensor(mC.shape), self.tile_mnk, tile_coord, proj=(1, 1, None))
+                )
+                self._apply_steps(acc, coords, operands, mC.shape[0] - 1, mC.shape[1] - 1)
+
+            # ---- cast, registers -> smem (stmatrix) -> global (TMA), one epi sub-tile at a time
+            c_dtype = mC.element_type
+            r2s_atom = sm90.get_smem_store_op(self.c_layout, elem_ty_d=c_dtype, elem_ty_acc=self.acc_dtype)
+            stmatrix_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), c_dtype
+            )
+            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma))
+            thr_r2s = r2s.get_slice(tidx)
+            tRS_sC = thr_r2s.partition_D(sC)
+            tRS_acc = r2s.retile(acc)
+            sub_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
+            sub = cute.make_rmem_tensor_like(sub_layout, self.acc_dtype)
+            sub_size = cute.size(sub)
+            gC_epi = cute.zipped_divide(gC, self.epi_tile)
+            bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+            )
+            n_sub = cute.size(gC_epi, mode=[1])
+            sub_grid = gC_epi.shape[1]
+            sub_order = cute.make_layout(sub_grid, stride=(sub_grid[1], 1))
+            store_ring = pipeline.PipelineTmaStore.create(
+                num_stages=4, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads)
+            )
+            for s in cutlass.range_constexpr(n_sub):
+                for v in cutlass.range_constexpr(sub_size):
+                    sub[v] = tRS_acc[s * sub_size + v]
+                out_frag = cute.make_rmem_tensor_like(sub_layout, c_dtype)
+                out_frag.store(sub.load().to(c_dtype))
+                buf = s % 4
+                cute.copy(r2s, out_frag, tRS_sC[(None, None, None, buf)])
+                # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                pipeline.sync(barrier_id=1)
+                if warp_idx == 0:
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, sub_order.get_hier_coord(s))])
+                    store_ring.producer_commit()
+                    store_ring.producer_acquire()
+                pipeline.sync(barrier_id=1)
+            if warp_idx == 0:
+                store_ring.producer_tail()
+
+        def _load_stage(self, ring, state, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
+            ring.producer_acquire(state)
+            bar = ring.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_a)
+            cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
+            ring.producer_commit(state)
+
+        def _apply_steps(self, acc, coords, operands, m_last, n_last):
+            """Trace-time unrolled: gather operands by (row, col), run the formulas in fp32.
+
+            The fragment is processed ``_CHUNK`` elements at a time so that the
+            gathered operands and temporaries stay a few registers next to the
+            accumulators (whole-fragment vectors spilled to local memory).
+            Rows/cols past the edge are clamped to the last one: the loads stay in
+            bounds without a branch, and the TMA store drops those elements.
+            """
+            m = _CuteMath()
+            total = cute.size(acc)
+            chunk = _CHUNK if total % _CHUNK == 0 else 1
+            for start in range(0, total, chunk):
+                vals = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+                for j in range(chunk):
+                    vals[j] = acc[start + j]
+                x = vals.load()
+                for step in self.steps:
+                    if step.operand in ("none", "cast"):
+                        x = step.fn(x, m)
+                    elif step.operand == "scalar":
+                        x = step.fn(x, step.value, m)
+                    else:
+                        src = operands[step.index]
+                        gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+                        for j in range(chunk):
+                            row, col = coords[start + j]
+                            col = cutlass.min(col, n_last)
+                            if step.operand == "col":
+                                gathered[j] = src[col].to(cutlass.Float32)
+                            else:
+                                gathered[j] = src[cutlass.min(row, m_last), col].to(cutlass.Float32)
+                        x = step.fn(x, gathered.load(), m)
+                vals.store(x)
+                for j in range(chunk):
+                    acc[start + j] = vals[j]
+
+    return FusedGemmKernel

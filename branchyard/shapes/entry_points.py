@@ -40,9 +40,10 @@ from branchyard.errors import ShapeSpecError
 from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, to_torch_spec
-from branchyard.shapes.spec import ShapesSpec
+from branchyard.shapes.shape_var import DimExpr
+from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
-from branchyard.shapes.validation import bind
+from branchyard.shapes.validation import Binding, Leaf, bind
 
 __all__ = ["export", "compile", "make_fx", "SpecCompiled", "resolve_spec"]
 
@@ -149,12 +150,110 @@ def export(
     mod = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
     binding = bind(spec, mod, tuple(args), kwargs)
     inputs = make_symbolic_inputs(spec, binding, export=True)
-    with _without_native_spec(fn), tracing_with(inputs):
+    scalars = [leaf for leaf in binding.leaves if isinstance(leaf.entry, ScalarEntry) and isinstance(leaf.entry.dim, DimExpr)]
+    if scalars:
+        export_kwargs["dynamic_shapes"] = _scalar_spec(spec, binding, scalars, mod)
+    with (
+        _without_native_spec(fn),
+        tracing_with(inputs),
+        _checking_scalars(mod, spec, binding, inputs, scalars),
+        _shared_symbol_bindings(),
+    ):
         try:
-            return torch.export.export(mod, inputs.args, inputs.kwargs, strict=False, **export_kwargs)
+            ep = torch.export.export(mod, inputs.args, inputs.kwargs, strict=False, **export_kwargs)
         except Exception as err:
             _raise_explained(err, inputs, spec)
             raise
+    insert_dim_checks(ep.graph_module, inputs.var_of_symbol())
+    return ep
+
+
+def _scalar_spec(spec: ShapesSpec, binding: Binding, scalars: list[Leaf], mod: torch.nn.Module) -> Any:
+    """torch's own spec, covering only the int arguments: each becomes an unbacked
+    ``IntVar`` with the range its expression can take (torch.export takes no SymInt
+    inputs, so this is the one way in). Tensors are absent: they are our fakes."""
+    if not HAS_NATIVE_SPEC:
+        raise ShapeSpecError(
+            f"dynamic int arguments need torch.fx.experimental.dynamic_spec, absent in torch {torch.__version__}",
+            hint="make the int static, or use branchyard.shapes.make_fx",
+        )
+    from torch.fx.experimental import dynamic_spec as native
+
+    def nest(keys: tuple, leaf_spec: Any, into: dict) -> None:
+        *parents, last = keys
+        node = into
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = leaf_spec
+
+    tree: dict = {}
+    for leaf in scalars:
+        lo, hi = leaf.entry.dim.bounds()
+        nest(leaf.keys, native.IntVar(leaf.path, min=lo, max=hi), tree)
+
+    sig = inspect.signature(mod.forward)
+
+    def as_native(value: Any, param: inspect.Parameter | None) -> Any:
+        if not isinstance(value, dict):
+            return value
+        if param is not None and param.kind is inspect.Parameter.VAR_POSITIONAL or all(isinstance(k, int) for k in value):
+            n = max(value) + 1
+            return native.SeqSpec([as_native(value.get(i), None) for i in range(n)])
+        return native.DictSpec({k: as_native(v, None) for k, v in value.items()})
+
+    params: dict[str, Any] = {}
+    for name, sub in tree.items():
+        param = sig.parameters[name]
+        converted = as_native(sub, param)
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            params["*args"] = list(converted._entries)
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            params["**kwargs"] = dict(converted._entries)
+        else:
+            params[name] = converted
+    return native.ShapesSpec(native.ParamsSpec(params))
+
+
+@contextlib.contextmanager
+def _checking_scalars(
+    mod: torch.nn.Module, spec: ShapesSpec, binding: Binding, inputs: SymbolicInputs, scalars: list[Leaf]
+) -> Iterator[None]:
+    """While exporting, run ``forward`` behind a check that ties each int argument
+    to its var: ``torch._check(n == expr(vars))`` -- a runtime assert in the graph,
+    and a replacement the ShapeEnv uses while tracing."""
+    if not scalars:
+        yield
+        return
+    original = mod.forward
+    sig = inspect.signature(original)
+
+    def forward_checking_ints(*args: Any, **kwargs: Any) -> Any:
+        arguments = sig.bind(*args, **kwargs)
+        arguments.apply_defaults()
+        env: dict[str, Any] = dict(inputs.symbols)
+        for name, anchor in binding.anchor.items():
+            if name not in env:  # bound by an int argument: its traced value is the var
+                env[name] = anchor.get(arguments.arguments)
+        for leaf in scalars:
+            value = leaf.get(arguments.arguments)
+            dim = leaf.entry.dim
+            if dim.is_var and binding.anchor[dim.name] is leaf:
+                if dim.multiple_of > 1:
+                    torch._check(value % dim.multiple_of == 0)
+                continue
+            torch._check(value == dim.evaluate(env))
+        return original(*args, **kwargs)
+
+    forward_checking_ints.__signature__ = sig  # type: ignore[attr-defined]
+    had_instance_forward = "forward" in mod.__dict__
+    object.__setattr__(mod, "forward", forward_checking_ints)
+    try:
+        yield
+    finally:
+        if had_instance_forward:
+            object.__setattr__(mod, "forward", original)
+        else:
+            del mod.__dict__["forward"]
 
 
 # -- make_fx --------------------------------------------------------------------------
@@ -224,18 +323,160 @@ def make_fx(
     return trace
 
 
+def bind_placeholder_symbols(gm: torch.fx.GraphModule) -> None:
+    """Tag placeholders with the ``unbacked_bindings`` of the symbols they introduce.
+
+    torch's runtime-assert pass reads a symbol's value from the node whose
+    ``unbacked_bindings`` name it. torch assumes each input placeholder owns
+    its symbols; ours are shared, so each symbol is bound at the first
+    placeholder where it appears bare (a dim ``u0``, or an int argument) --
+    ``w: (u0*u1, u1)`` binds only ``u1`` and relies on ``x: (u0, 4)`` for ``u0``.
+    """
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import CallMethodKey, free_unbacked_symbols
+    from torch.utils._pytree import SequenceKey
+
+    bound: set[Any] = set()
+    needed: dict[Any, str] = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        candidates: list[tuple[Any, tuple]] = []
+        if isinstance(val, torch.SymInt):
+            candidates.append((val.node.expr, ()))
+        elif isinstance(val, torch.Tensor):
+            candidates += [
+                (d.node.expr, (CallMethodKey("size"), SequenceKey(i)))
+                for i, d in enumerate(val.shape)
+                if isinstance(d, torch.SymInt)
+            ]
+        bindings = {}
+        for expr, path in candidates:
+            for sym in free_unbacked_symbols(expr):
+                needed.setdefault(sym, node.name)
+            if isinstance(expr, sympy.Symbol) and free_unbacked_symbols(expr) and expr not in bound:
+                bindings[expr] = path
+                bound.add(expr)
+        if bindings:
+            node.meta["unbacked_bindings"] = bindings
+    loose = {s: n for s, n in needed.items() if s not in bound}
+    if loose:
+        sym, name = next(iter(loose.items()))
+        raise ShapeSpecError(
+            f"input {name!r} has a size built from {sym}, which no input carries bare",
+            hint="every ShapeVar needs one slot where it is the whole dim",
+        )
+
+
+@contextlib.contextmanager
+def _shared_symbol_bindings() -> Iterator[None]:
+    """Let torch.export bind our shared symbols (it assumes one owner per placeholder)."""
+    import torch.export._trace as trace_module
+
+    name = "_add_input_unbacked_bindings"
+    original = getattr(trace_module, name, None)
+    if original is None:  # older torch binds inputs differently
+        yield
+        return
+    setattr(trace_module, name, bind_placeholder_symbols)
+    try:
+        yield
+    finally:
+        setattr(trace_module, name, original)
+
+
+def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -> int:
+    """Assert, in the graph, every declared dim that does not bind its own symbol.
+
+    A var is bound where it first appears bare; every other dim built from
+    vars (``y: (2*batch, 4)``, a second ``(batch, 4)``) gets one check::
+
+        s = sym_size(y, 0); _assert_scalar(s == 2 * sym_size(x, 0), "y dim 0 must equal 2*batch")
+
+    Without it the graph would trust its inputs: the fakes' sizes *are* the
+    expressions, so tracing itself never records the relation. Returns the
+    number of checks added.
+    """
+    import operator
+
+    import sympy
+
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    first_op = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if first_op is None:
+        return 0
+    ours = set(var_of_symbol)
+    binding: dict[Any, tuple[torch.fx.Node, int | None, Any]] = {}
+    others: list[tuple[torch.fx.Node, int | None, Any]] = []
+    for ph in placeholders:
+        val = ph.meta.get("val")
+        dims = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
+        if isinstance(val, torch.SymInt) and val.node.expr.free_symbols & ours:
+            if val.node.expr in ours and val.node.expr not in binding:
+                binding[val.node.expr] = (ph, None, val)
+            else:
+                others.append((ph, None, val))
+        for i, d in dims:
+            if not isinstance(d, torch.SymInt) or not (d.node.expr.free_symbols & ours):
+                continue
+            if isinstance(d.node.expr, sympy.Symbol) and d.node.expr not in binding:
+                binding[d.node.expr] = (ph, i, d)
+            else:
+                others.append((ph, i, d))
+    if not others:
+        return 0
+
+    def size_node(ph: torch.fx.Node, i: int | None, val: Any) -> torch.fx.Node:
+        if i is None:
+            return ph
+        node = graph.call_function(torch.ops.aten.sym_size.int, (ph, i))
+        node.meta["val"] = val
+        return node
+
+    def emit(fn: Any, a: torch.fx.Node | int, b: torch.fx.Node | int) -> torch.fx.Node:
+        node = graph.call_function(fn, (a, b))
+        va = a.meta["val"] if isinstance(a, torch.fx.Node) else a
+        vb = b.meta["val"] if isinstance(b, torch.fx.Node) else b
+        node.meta["val"] = fn(va, vb)
+        return node
+
+    def build(expr: Any, syms: dict[Any, torch.fx.Node]) -> torch.fx.Node | int:
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            return syms[expr]
+        op = {sympy.Add: operator.add, sympy.Mul: operator.mul}.get(type(expr))
+        if op is None:
+            raise ShapeSpecError(f"cannot check dim {expr} in the graph (only + and * of vars)")
+        args = [build(a, syms) for a in expr.args]
+        out = args[0]
+        for a in args[1:]:
+            out = emit(op, out, a) if isinstance(out, torch.fx.Node) or isinstance(a, torch.fx.Node) else out + a  # type: ignore[operator]
+        return out
+
+    with graph.inserting_before(first_op):
+        syms = {sym: size_node(*where) for sym, where in binding.items()}
+        for ph, i, d in others:
+            expr = d.node.expr
+            actual = size_node(ph, i, d)
+            expected = build(expr, syms)
+            readable = expr.xreplace({s: sympy.Symbol(var_of_symbol[s]) for s in expr.free_symbols if s in var_of_symbol})
+            eq = emit(operator.eq, actual, expected)
+            graph.call_function(
+                torch.ops.aten._assert_scalar.default,
+                (eq, f"branchyard.shapes: input {ph.target}{'' if i is None else f' dim {i}'} must equal {readable}"),
+            )
+    gm.recompile()
+    return len(others)
+
+
 def _insert_runtime_asserts(gm: torch.fx.GraphModule, inputs: SymbolicInputs) -> None:
     """Put each var's range/divisor checks into the graph, bound at the placeholders."""
     from torch.fx.passes.runtime_assert import insert_deferred_runtime_asserts
 
-    # The pass binds symbols to graph values through ``unbacked_bindings``;
-    # our symbols enter through placeholders, which torch tags only in export.
-    try:
-        from torch.export._trace import _add_input_unbacked_bindings
-    except ImportError:  # older torch: the graph keeps no runtime asserts
-        return
-    _add_input_unbacked_bindings(gm)
+    bind_placeholder_symbols(gm)
     insert_deferred_runtime_asserts(gm, inputs.shape_env, "branchyard.shapes")
+    insert_dim_checks(gm, inputs.var_of_symbol())
     gm.recompile()
 
 
@@ -293,8 +534,9 @@ def compile(
 ) -> SpecCompiled:
     """``torch.compile(fn)`` with the spec's dims unbacked, plus input validation.
 
-    Extra keyword arguments go to ``torch.compile`` (``backend``,
-    ``fullgraph``, ``mode``, ...). ``validate=False`` skips the per-call
+    Extra keyword arguments go to ``torch.compile`` (``backend``, ``mode``,
+    ...); ``fullgraph`` defaults to True, so a data-dependent branch on a
+    declared dim is an error rather than a silent graph break. ``validate=False`` skips the per-call
     check (a few microseconds of Python per call).
     """
     spec = resolve_spec(fn, spec)
@@ -305,6 +547,9 @@ def compile(
         )
     if "dynamic_shapes" in compile_kwargs or "dynamic" in compile_kwargs:
         raise ShapeSpecError("the spec decides what is dynamic: drop dynamic= / dynamic_shapes=")
+    # The spec promises one graph for every size in range; a graph break would
+    # hide a data-dependent branch on a declared dim instead of reporting it.
+    compile_kwargs.setdefault("fullgraph", True)
     attached_native = getattr(fn.forward if isinstance(fn, torch.nn.Module) else fn, NATIVE_SPEC_ATTR, None)
     if attached_native is None:
         compile_kwargs["dynamic_shapes"] = to_torch_spec(spec, fn)

@@ -25,6 +25,7 @@ from typing import Any
 import sympy
 import torch
 
+from branchyard.errors import ShapeSpecError
 from branchyard.shapes.shape_var import DimExpr, ShapeVar
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.validation import Binding, Leaf
@@ -59,7 +60,11 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     """Fake inputs for ``binding`` with one unbacked symbol per ShapeVar.
 
     ``export=True`` builds the ShapeEnv the way non-strict ``torch.export``
-    expects (tracked fakes, traced asserts).
+    expects (tracked fakes, traced asserts) and leaves int arguments as they
+    are: torch.export accepts no SymInt inputs, so
+    :func:`branchyard.shapes.entry_points.export` makes them unbacked through
+    torch's own spec and ties them to the vars while tracing. A var that only
+    an int argument binds then has no symbol here, and no tensor dim may use it.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -70,7 +75,9 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     symbols: dict[str, torch.SymInt] = {}
     # Vars in binding order: the first slot that binds a var names its symbol u0, u1, ...
     with shape_env.ignore_fresh_unbacked_symbols():
-        for name in binding.values:
+        for name, anchor in binding.anchor.items():
+            if export and isinstance(anchor.entry, ScalarEntry):
+                continue
             symbols[name] = shape_env.create_unbacked_symint()
     for name, sym in symbols.items():
         var = spec.vars[name]
@@ -80,16 +87,25 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
         if var.multiple_of > 1:
             torch._check(sym % var.multiple_of == 0)
 
-    def size_of(dim: Any, actual: int) -> Any:
+    def size_of(dim: Any, actual: int, where: str) -> Any:
         if dim is None:
             return actual
         if isinstance(dim, DimExpr):
+            unanchored = sorted(set(dim.vars) - set(symbols))
+            if unanchored:
+                raise ShapeSpecError(
+                    f"{where} is {dim}, but {unanchored[0]!r} is bound only by an int argument, "
+                    "which torch.export cannot make a tensor size depend on",
+                    hint=f"let a tensor dim carry {unanchored[0]!r} bare, or use branchyard.shapes.make_fx / compile",
+                )
             return dim.evaluate(symbols)
         return dim
 
     replaced: dict[int, Any] = {}
     with fake_mode:
         for leaf in binding.leaves:
+            if export and isinstance(leaf.entry, ScalarEntry):
+                continue
             replaced[id(leaf)] = _fake_leaf(leaf, size_of)
 
     arguments = binding.arguments
@@ -102,10 +118,10 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
 
 def _fake_leaf(leaf: Leaf, size_of: Any) -> Any:
     if isinstance(leaf.entry, ScalarEntry):
-        return size_of(leaf.entry.dim, leaf.value)
+        return size_of(leaf.entry.dim, leaf.value, leaf.path)
     # _iter_leaves yields only scalar and tensor leaves
     t: torch.Tensor = leaf.value
-    sizes = [size_of(d, int(n)) for d, n in zip(leaf.entry.dims, t.shape)]
+    sizes = [size_of(d, int(n), f"{leaf.path} dim {i}") for i, (d, n) in enumerate(zip(leaf.entry.dims, t.shape))]
     fake = torch.empty_strided(sizes, _contiguous_strides(sizes), dtype=t.dtype, device=t.device)
     if t.requires_grad:
         fake.requires_grad_(True)
@@ -116,7 +132,7 @@ def _substitute(value: Any, path: str, leaves: list[Leaf], replaced: dict[int, A
     """Rebuild ``value`` with every covered leaf under ``path`` replaced by its fake."""
     for leaf in leaves:
         if leaf.path == path:
-            return replaced[id(leaf)]
+            return replaced.get(id(leaf), value)
     if not any(leaf.path.startswith(path + "[") for leaf in leaves):
         return value
     if isinstance(value, (list, tuple)):

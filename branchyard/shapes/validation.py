@@ -52,6 +52,14 @@ class Leaf:
     path: str  # "x", "cache['k']", "args[0]"
     entry: TensorEntry | ScalarEntry
     value: Any
+    keys: tuple = ()  # (param name, key or index, ...): how to reach the value from the bound arguments
+
+    def get(self, arguments: dict[str, Any]) -> Any:
+        """This leaf's value in another binding of the same call (e.g. the traced one)."""
+        value: Any = arguments
+        for k in self.keys:
+            value = value[k]
+        return value
 
 
 @dataclass
@@ -63,6 +71,8 @@ class Binding:
     values: dict[str, int] = field(default_factory=dict)
     #: for each var, the slot that bound it (for messages)
     bound_at: dict[str, str] = field(default_factory=dict)
+    #: for each var, the leaf that bound it (a tensor leaf whenever the var appears bare in one)
+    anchor: dict[str, Leaf] = field(default_factory=dict)
 
 
 def signature_of(fn: Any) -> inspect.Signature:
@@ -87,7 +97,7 @@ def check_spec_matches_signature(spec: ShapesSpec, sig: inspect.Signature, where
             )
 
 
-def _iter_leaves(entry: Entry, value: Any, path: str) -> Iterator[Leaf]:
+def _iter_leaves(entry: Entry, value: Any, path: str, keys: tuple) -> Iterator[Leaf]:
     if value is None:
         return  # an optional argument left out: nothing to check or trace
     if isinstance(entry, TensorEntry):
@@ -101,13 +111,13 @@ def _iter_leaves(entry: Entry, value: Any, path: str) -> Iterator[Leaf]:
                 f"{tuple(value.shape)}",
                 where=f"argument {path!r}",
             )
-        yield Leaf(path, entry, value)
+        yield Leaf(path, entry, value, keys)
     elif isinstance(entry, ScalarEntry):
         if type(value) is not int:
             raise SpecViolationError(
                 f"spec declares an int size ({entry.dim}), got {type(value).__name__}", where=f"argument {path!r}"
             )
-        yield Leaf(path, entry, value)
+        yield Leaf(path, entry, value, keys)
     elif isinstance(entry, SeqEntry):
         if not isinstance(value, (list, tuple)):
             raise SpecViolationError(f"spec declares a sequence, got {type(value).__name__}", where=f"argument {path!r}")
@@ -117,7 +127,7 @@ def _iter_leaves(entry: Entry, value: Any, path: str) -> Iterator[Leaf]:
             )
         for i, (e, v) in enumerate(zip(entry.items, value)):
             if e is not None:
-                yield from _iter_leaves(e, v, f"{path}[{i}]")
+                yield from _iter_leaves(e, v, f"{path}[{i}]", keys + (i,))
     elif isinstance(entry, MapEntry):
         if not isinstance(value, dict):
             raise SpecViolationError(f"spec declares a dict, got {type(value).__name__}", where=f"argument {path!r}")
@@ -125,7 +135,7 @@ def _iter_leaves(entry: Entry, value: Any, path: str) -> Iterator[Leaf]:
             if k not in value:
                 raise SpecViolationError(f"spec names key {k!r}, the dict has {sorted(value, key=repr)}", where=f"argument {path!r}")
             if e is not None:
-                yield from _iter_leaves(e, value[k], f"{path}[{k!r}]")
+                yield from _iter_leaves(e, value[k], f"{path}[{k!r}]", keys + (k,))
 
 
 def _slots(leaf: Leaf) -> Iterator[tuple[str, Any, int]]:
@@ -146,10 +156,14 @@ def bind(spec: ShapesSpec, fn: Any, args: tuple, kwargs: dict | None = None) -> 
         raise SpecViolationError(f"arguments do not match the signature {sig}: {e}") from e
     arguments.apply_defaults()
     check_spec_matches_signature(spec, sig, where=getattr(fn, "__qualname__", type(fn).__name__))
-    leaves = [leaf for name, entry in spec.params.items() for leaf in _iter_leaves(entry, arguments.arguments[name], name)]
+    leaves = [leaf for name, entry in spec.params.items() for leaf in _iter_leaves(entry, arguments.arguments[name], name, (name,))]
     binding = Binding(arguments, leaves)
     derived: list[tuple[str, DimExpr, int, str]] = []
-    for leaf in leaves:
+    # tensor leaves first: a var appearing bare in a tensor is anchored there,
+    # so traced sizes never depend on a scalar argument
+    ordered = [leaf for leaf in leaves if isinstance(leaf.entry, TensorEntry)]
+    ordered += [leaf for leaf in leaves if isinstance(leaf.entry, ScalarEntry)]
+    for leaf in ordered:
         for slot, dim, size in _slots(leaf):
             if dim is None:
                 continue
@@ -159,7 +173,7 @@ def bind(spec: ShapesSpec, fn: Any, args: tuple, kwargs: dict | None = None) -> 
                         f"{slot} has size {size}, the spec fixes it at {dim}", where=f"argument {leaf.path!r}"
                     )
             elif isinstance(dim, ShapeVar):
-                _bind_var(binding, dim, slot, size, leaf.path)
+                _bind_var(binding, dim, slot, size, leaf)
             else:
                 derived.append((slot, dim, size, leaf.path))
     for slot, expr, size, path in derived:
@@ -173,7 +187,8 @@ def bind(spec: ShapesSpec, fn: Any, args: tuple, kwargs: dict | None = None) -> 
     return binding
 
 
-def _bind_var(binding: Binding, var: ShapeVar, slot: str, size: int, path: str) -> None:
+def _bind_var(binding: Binding, var: ShapeVar, slot: str, size: int, leaf: Leaf) -> None:
+    path = leaf.path
     if var.name in binding.values:
         first = binding.values[var.name]
         if size != first:
@@ -191,3 +206,4 @@ def _bind_var(binding: Binding, var: ShapeVar, slot: str, size: int, path: str) 
         )
     binding.values[var.name] = size
     binding.bound_at[var.name] = slot
+    binding.anchor[var.name] = leaf

@@ -215,8 +215,8 @@ def fused_gemm_epilogue(
     ]
     impl = _gpu_impl(a2d, b_kn, ops2d, s)
     out = torch.empty((m, n), dtype=s.out_dtype, device=a.device)
-    impl(a2d, b_kn, ops2d, out)
-    return out.reshape(*a.shape[:-1], n)
+    res = impl(a2d, b_kn, ops2d, out)
+    return (out if res is None else res).reshape(*a.shape[:-1], n)
 
 
 @fused_gemm_epilogue.register_fake

@@ -1,0 +1,707 @@
+"""Choose the fastest implementation of a fused GEMM by timing it on the real shape.
+
+For one problem (epilogue spec, ``M``, ``N``, ``K``, dtypes, layouts) the
+autotuner:
+
+1. lists the candidates that apply (:func:`default_candidates`): our CuTeDSL
+   sm_90a kernel with the epilogue in registers (one per tile config), the
+   cutlass-operators plain GEMM + separate epilogue, cuBLASLt
+   (``torch._addmm_activation``, only for exactly bias+relu / bias+gelu_tanh),
+   Triton (the unfused chain compiled by Inductor, max-autotune) and the
+   unfused ATen chain;
+2. builds each one; a build failure excludes it, with the reason logged;
+3. runs each once against the fp32 reference (wrong numerics exclude it);
+4. times the survivors (median of CUDA-event timings with the L2 flushed
+   before every run) and keeps the fastest;
+5. records the winner in the on-disk :class:`WinnerDB`, keyed by GPU, driver,
+   CUDA, torch and CuTeDSL versions, dtypes, layouts, spec, ``N``, ``K`` and
+   an ``M`` bucket (the next power of two), so later processes skip 2-4.
+
+Everything the decision depends on is injectable (candidates, timer, database,
+environment), so the logic is tested on CPU with fake timings::
+
+    >>> import torch, tempfile
+    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, unfused_aten_epilogue
+    >>> spec = EpilogueSpec.parse("w=kn;relu;out=float32")
+    >>> def aten(p):
+    ...     return lambda a, b, ops, out: unfused_aten_epilogue(a @ b, p.spec, ops)
+    >>> fake_ms = {"slow": 2.0, "fast": 1.0}
+    >>> tuner = Autotuner([Candidate("slow", aten), Candidate("fast", aten)],
+    ...                   timer=lambda name, fn: fake_ms[name], progress=False,
+    ...                   db=WinnerDB(tempfile.mkdtemp()), env={"gpu": "test"})
+    >>> a, b = torch.randn(8, 16), torch.randn(16, 32)
+    >>> tuner.tune(a, b, [], spec).winner
+    'fast'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ctypes
+import fcntl
+import functools
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm.epilogue import (
+    EpilogueSpec,
+    reference_fused_gemm,
+    unfused_aten_epilogue,
+)
+
+__all__ = [
+    "Problem",
+    "Candidate",
+    "Impl",
+    "TuneResult",
+    "Autotuner",
+    "WinnerDB",
+    "ProgressBar",
+    "default_candidates",
+    "cuda_event_timer",
+    "environment",
+    "cache_dir",
+    "m_bucket",
+    "select",
+    "get_autotuner",
+    "set_autotuner",
+    "SCHEMA_VERSION",
+]
+
+logger = logging.getLogger("branchyard")
+
+#: Version of the winner database's JSON layout; a file with another version is rebuilt.
+SCHEMA_VERSION = 1
+
+#: ``impl(a [M, K], b_kn [K, N], operands, out [M, N]) -> result``. The result
+#: is ``out`` (written in place) or a tensor of the same shape and dtype.
+Impl = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], torch.Tensor], Any]
+
+
+def cache_dir() -> Path:
+    """``$BRANCHYARD_CACHE_DIR/nvgemm`` (default ``~/.cache/branchyard/nvgemm``)."""
+    root = os.environ.get("BRANCHYARD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "branchyard")
+    return Path(root) / "nvgemm"
+
+
+def m_bucket(m: int) -> int:
+    """The ``M`` bucket a winner is shared across: the next power of two.
+
+    >>> [m_bucket(m) for m in (1, 2, 3, 16, 17, 2048, 3000)]
+    [1, 2, 4, 16, 32, 2048, 4096]
+    """
+    return 1 if m <= 1 else 1 << (m - 1).bit_length()
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _layout(t: torch.Tensor) -> str:
+    """``row`` (last dim contiguous), ``col`` (first dim contiguous) or the strides."""
+    if t.dim() == 1:
+        return "vec" if t.stride(0) == 1 else f"s{t.stride(0)}"
+    if t.stride(-1) == 1:
+        return "row"
+    if t.dim() == 2 and t.stride(0) == 1:
+        return "col"
+    return "s" + "x".join(map(str, t.stride()))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the winner depends on: one fused GEMM on one device."""
+
+    spec: EpilogueSpec
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    operand_dtypes: tuple[torch.dtype, ...]
+    a_layout: str
+    b_layout: str  # "nk": b_kn is the .t() of a row-major [N, K] weight; "kn": row-major [K, N]
+    operand_layouts: tuple[str, ...]
+    device: str
+
+    @staticmethod
+    def of(a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec) -> "Problem":
+        """The problem an op call poses (``a`` ``[M, K]``, ``b_kn`` ``[K, N]``).
+
+        Candidates always see ``b`` as ``[K, N]``, so the spec is normalised to
+        ``weight_layout="kn"``; the memory layout is ``b_layout``.
+        """
+        spec = dataclasses.replace(spec, weight_layout="kn")
+        m, k = a.shape
+        n = b_kn.shape[1]
+        b_layout = "kn" if b_kn.stride(1) == 1 else "nk" if b_kn.stride(0) == 1 else _layout(b_kn)
+        return Problem(
+            spec, int(m), int(n), int(k), a.dtype, tuple(t.dtype for t in operands),
+            _layout(a), b_layout, tuple(_layout(t) for t in operands), str(a.device),
+        )
+
+    def key(self, env: Mapping[str, str]) -> str:
+        """The database key: environment, spec, dtypes, layouts, N, K, M bucket."""
+        fields = dict(env)
+        fields.update(
+            spec=str(self.spec),
+            dtype=_dt(self.dtype),
+            operand_dtypes=",".join(map(_dt, self.operand_dtypes)),
+            layouts=f"a:{self.a_layout};b:{self.b_layout};ops:{','.join(self.operand_layouts)}",
+            n=str(self.n),
+            k=str(self.k),
+            m_bucket=str(m_bucket(self.m)),
+        )
+        return "|".join(f"{k}={v}" for k, v in fields.items())
+
+    def __str__(self) -> str:
+        return f"M={self.m} N={self.n} K={self.k} {_dt(self.dtype)} [{self.spec}]"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a problem. ``build(problem)`` returns an :data:`Impl` or
+    raises (the candidate is then excluded with the error as reason);
+    ``applies(problem)`` returns ``None`` or why the candidate does not apply."""
+
+    name: str
+    build: Callable[[Problem], Impl]
+    applies: Callable[[Problem], str | None] = lambda problem: None
+
+
+@dataclass
+class TuneResult:
+    """What one tuning run found: the winner, every survivor's median time in
+    ms, and every excluded candidate with its reason."""
+
+    key: str
+    winner: str
+    timings: dict[str, float] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    from_cache: bool = False
+    impl: Impl | None = field(default=None, repr=False, compare=False)
+
+    def table(self) -> str:
+        """A readable summary (fastest first)."""
+        rows = [f"{name:<28} {ms * 1e3:10.1f} us" for name, ms in sorted(self.timings.items(), key=lambda kv: kv[1])]
+        rows += [f"{name:<28} excluded: {why}" for name, why in self.excluded.items()]
+        return "\n".join(rows)
+
+
+# --- environment -------------------------------------------------------------
+
+
+def _driver_version() -> str:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+            return f"{v.value // 1000}.{(v.value % 1000) // 10}"
+    except OSError:
+        pass
+    return "none"
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+@functools.lru_cache(maxsize=None)
+def environment(device: str = "cuda") -> dict[str, str]:
+    """What a winner is only valid for: GPU, driver, CUDA, torch, CuTeDSL."""
+    gpu = "cpu"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        index = torch.device(device).index or 0
+        props = torch.cuda.get_device_properties(index)
+        gpu = f"{props.name} sm{props.major}{props.minor}"
+    return {
+        "gpu": gpu,
+        "driver": _driver_version(),
+        "cuda": str(torch.version.cuda),
+        "torch": torch.__version__,
+        "cutedsl": _package_version("nvidia-cutlass-dsl"),
+    }
+
+
+# --- the winner database -------------------------------------------------------
+
+
+def _checksum(payload: Mapping[str, Any]) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old or the new file, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class WinnerDB:
+    """The on-disk record of autotuning winners: one JSON file,
+    ``{"schema": 1, "entries": {key: {"winner", "timings", "excluded", "checksum", ...}}}``.
+
+    Writes are atomic (temp file + ``os.replace``) under an advisory lock, so
+    concurrent processes do not lose each other's entries. An unreadable file,
+    another schema version, or an entry whose checksum does not match its
+    content is reported (``logger.warning``) and treated as absent; the next
+    :meth:`put` rewrites it.
+    """
+
+    FILE = "winners.json"
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else cache_dir()
+        self.path = self.directory / self.FILE
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / ".winners.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            logger.warning("nvgemm: winner database %s is corrupt (%s); rebuilding it", self.path, exc)
+            return {}
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("entries"), dict):
+            logger.warning(
+                "nvgemm: winner database %s has schema %r, expected %d; rebuilding it",
+                self.path, data.get("schema") if isinstance(data, dict) else None, SCHEMA_VERSION,
+            )
+            return {}
+        return data["entries"]
+
+    def get(self, key: str, known: Sequence[str] | None = None) -> dict[str, Any] | None:
+        """The entry for ``key`` if present and intact (and, with ``known``, if
+        its winner is still one of the candidate names ``known``)."""
+        entry = self._read().get(key)
+        if entry is None:
+            return None
+        body = {k: v for k, v in entry.items() if k != "checksum"}
+        if not isinstance(entry, dict) or entry.get("checksum") != _checksum(body):
+            logger.warning("nvgemm: winner entry for %s fails its checksum; retuning", key)
+            return None
+        if known is not None and entry.get("winner") not in known:
+            logger.info("nvgemm: stale winner %r for %s (no longer a candidate); retuning", entry.get("winner"), key)
+            return None
+        return entry
+
+    def put(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Store ``entry`` under ``key`` (atomically, with its checksum)."""
+        body = dict(entry)
+        body.pop("checksum", None)
+        body["checksum"] = _checksum(body)
+        with self._locked():
+            entries = self._read()
+            entries[key] = body
+            atomic_write_text(self.path, json.dumps({"schema": SCHEMA_VERSION, "entries": entries}, indent=1, sort_keys=True))
+
+    def entries(self) -> dict[str, Any]:
+        """Every stored entry (intact or not), keyed."""
+        return self._read()
+
+
+# --- progress --------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line stderr progress bar (no dependency). On a terminal it redraws
+    in place; elsewhere it prints one line per step, so logs stay readable."""
+
+    def __init__(self, total: int, label: str, *, stream: Any = None, enabled: bool = True, width: int = 24) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.width = width
+        self.done = 0
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+
+    def step(self, note: str) -> None:
+        """Advance by one and show ``note`` (the candidate just handled)."""
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"nvgemm autotune {self.label} [{bar}] {self.done}/{self.total} {note}"
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line + ("\n" if self.done >= self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+# --- timing ------------------------------------------------------------------------
+
+
+class _L2Flush:
+    """A buffer larger than any L2 (H200: 50 MiB), zeroed before each timed run."""
+
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20) -> None:
+        self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.zero_()
+
+
+def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0) -> float:
+    """Median milliseconds of ``fn`` over CUDA events, L2 flushed before each run.
+
+    ``reps`` shrinks for slow functions so one candidate takes about ``max_ms``.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = _L2Flush(device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe_start.record()
+    fn()
+    probe_end.record()
+    torch.cuda.synchronize()
+    once = max(probe_start.elapsed_time(probe_end), 1e-3)
+    reps = max(5, min(reps, int(max_ms / once)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+# --- candidates ----------------------------------------------------------------------
+
+
+def _aten_build(problem: Problem) -> Impl:
+    spec = problem.spec
+
+    def impl(a, b_kn, operands, out):
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands))
+
+    return impl
+
+
+_CUBLASLT_CHAINS = {("bias", "relu"): False, ("bias", "gelu_tanh"): True}
+
+
+def _cublaslt_applies(problem: Problem) -> str | None:
+    names = tuple(n for n in problem.spec.names if not (n == "cast"))
+    if names not in _CUBLASLT_CHAINS:
+        return f"_addmm_activation fuses only bias+relu and bias+gelu_tanh, not {'+'.join(problem.spec.names)}"
+    if problem.spec.out_dtype != problem.dtype or any(d != problem.dtype for d in problem.operand_dtypes):
+        return "_addmm_activation needs the bias and output in the input dtype"
+    if not problem.device.startswith("cuda"):
+        return "cuBLASLt runs on CUDA only (the CPU kernel's GELU is the erf form)"
+    return None
+
+
+def _cublaslt_build(problem: Problem) -> Impl:
+    use_gelu = _CUBLASLT_CHAINS[tuple(n for n in problem.spec.names if n != "cast")]
+
+    def impl(a, b_kn, operands, out):
+        return torch._addmm_activation(operands[0], a, b_kn, use_gelu=use_gelu, out=out)
+
+    return impl
+
+
+def _inductor_build(problem: Problem, mode: str) -> Impl:
+    spec = problem.spec
+
+    def chain(a, b_kn, *operands):
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands))
+
+    compiled = torch.compile(chain, mode=mode, dynamic=False, fullgraph=True)
+
+    def impl(a, b_kn, operands, out):
+        return compiled(a, b_kn, *operands)
+
+    return impl
+
+
+def _cutedsl_build(problem: Problem, config: Any) -> Impl:
+    from branchyard.lowering.nvgemm.cutedsl_gemm import compile_fused_gemm
+
+    fn = compile_fused_gemm(
+        problem.spec, problem.dtype, config, b_layout=problem.b_layout,
+        out_dtype=problem.spec.out_dtype, operand_dtypes=list(problem.operand_dtypes),
+    )
+
+    def impl(a, b_kn, operands, out):
+        fn(a, b_kn, list(operands), out)
+        return out
+
+    return impl
+
+
+def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
+    try:
+        from branchyard.lowering.nvgemm.cutedsl_gemm import candidate_configs, cutedsl_available
+    except Exception as exc:
+        logger.info("nvgemm: no CuTeDSL candidates: %s", exc)
+        return []
+    ok, why = cutedsl_available()
+    if not ok:
+        logger.info("nvgemm: no CuTeDSL candidates: %s", why)
+        return []
+    configs = candidate_configs(problem.m, problem.n, problem.k, _dt(problem.dtype))
+    return [
+        Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c)) for c in configs
+    ]
+
+
+def _cutlass_plain_candidates(problem: Problem) -> list[Candidate]:
+    try:
+        from branchyard.lowering.nvgemm import cutlass_operators
+    except Exception as exc:  # module absent or its package missing
+        logger.info("nvgemm: no cutlass-operators candidate: %s", exc)
+        return []
+    build = getattr(cutlass_operators, "build_plain_gemm_candidate", None)
+    if build is None:
+        return []
+    return [Candidate("cutlass_plain+epilogue", build)]
+
+
+def default_candidates(problem: Problem, *, inductor: bool | None = None) -> list[Candidate]:
+    """The candidates for ``problem``, ours first.
+
+    ``inductor`` (default: env ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds
+    the Inductor max-autotune candidate, which compiles for minutes.
+    """
+    if inductor is None:
+        inductor = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR", "1") != "0"
+    out = _cutedsl_candidates(problem) + _cutlass_plain_candidates(problem)
+    out.append(Candidate("cublaslt:_addmm_activation", _cublaslt_build, _cublaslt_applies))
+    if inductor:
+        mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "max-autotune-no-cudagraphs")
+        out.append(Candidate("triton:inductor", functools.partial(_inductor_build, mode=mode)))
+    out.append(Candidate("aten:unfused", _aten_build))
+    return out
+
+
+# --- the autotuner ------------------------------------------------------------------------
+
+_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-3}
+
+
+def numerics_error(got: torch.Tensor, ref: torch.Tensor, out_dtype: torch.dtype) -> str | None:
+    """``None`` if ``got`` is within ``out_dtype`` tolerance of the fp32 ``ref``,
+    else what is wrong (shape, dtype, NaNs, or the worst element)."""
+    if tuple(got.shape) != tuple(ref.shape):
+        return f"result shape {list(got.shape)}, expected {list(ref.shape)}"
+    if got.dtype != out_dtype:
+        return f"result dtype {got.dtype}, expected {out_dtype}"
+    g, r = got.float(), ref.float()
+    if torch.isnan(g).any() and not torch.isnan(r).any():
+        return "result has NaNs"
+    tol = _TOLERANCE.get(out_dtype, 1e-3)
+    scale = r.abs().mean().clamp_min(1e-6)
+    err = (g - r).abs() - tol * r.abs() - tol * scale
+    worst = float(err.max()) if err.numel() else 0.0
+    if worst > 0:
+        idx = int(err.argmax())
+        row, col = divmod(idx, r.shape[-1]) if r.dim() > 1 else (0, idx)
+        return f"numerics off at [{row}, {col}]: got {float(g.flatten()[idx]):.6g}, reference {float(r.flatten()[idx]):.6g}"
+    return None
+
+
+class Autotuner:
+    """Pick, build and cache the fastest candidate per problem.
+
+    ``candidates``: a list, or a function ``problem -> list`` (default
+    :func:`default_candidates`); ``timer(name, fn) -> ms`` (default
+    :func:`cuda_event_timer`); ``db`` (default :class:`WinnerDB` in
+    :func:`cache_dir`); ``env`` (default :func:`environment`); ``progress``
+    (default: env ``BRANCHYARD_NVGEMM_PROGRESS`` != ``0``).
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[Candidate] | Callable[[Problem], Sequence[Candidate]] | None = None,
+        *,
+        timer: Callable[[str, Callable[[], Any]], float] | None = None,
+        db: WinnerDB | None = None,
+        env: Mapping[str, str] | None = None,
+        progress: bool | None = None,
+        stream: Any = None,
+    ) -> None:
+        self._candidates = candidates if candidates is not None else default_candidates
+        self.timer = timer if timer is not None else (lambda name, fn: cuda_event_timer(fn))
+        self.db = db if db is not None else WinnerDB()
+        self.env = dict(env) if env is not None else None
+        self.progress = progress if progress is not None else os.environ.get("BRANCHYARD_NVGEMM_PROGRESS", "1") != "0"
+        self.stream = stream
+        self._impls: dict[tuple, Impl] = {}
+        self._lock = threading.RLock()
+        #: Every tuning result of this process, by key (the benchmark reads it).
+        self.results: dict[str, TuneResult] = {}
+
+    def candidates(self, problem: Problem) -> list[Candidate]:
+        """The candidates for ``problem`` (before applicability checks)."""
+        c = self._candidates
+        return list(c(problem) if callable(c) else c)
+
+    def _env(self, problem: Problem) -> Mapping[str, str]:
+        return self.env if self.env is not None else environment(problem.device)
+
+    def _fast_key(self, a, b_kn, operands, spec) -> tuple:
+        return (
+            str(spec), a.shape[1], b_kn.shape[1], m_bucket(a.shape[0]), a.dtype, a.stride(1) == 1,
+            b_kn.stride(0) == 1, tuple((t.dtype, t.dim(), t.stride(-1) == 1) for t in operands), a.device,
+        )
+
+    def select(self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec) -> Impl:
+        """The implementation to run for this call (tuning it on first sight)."""
+        fast = self._fast_key(a, b_kn, operands, spec)
+        impl = self._impls.get(fast)
+        if impl is not None:
+            return impl
+        with self._lock:
+            impl = self._impls.get(fast)
+            if impl is None:
+                impl = self._select_slow(a, b_kn, operands, spec)
+                self._impls[fast] = impl
+        return impl
+
+    def _select_slow(self, a, b_kn, operands, spec) -> Impl:
+        problem = Problem.of(a, b_kn, operands, spec)
+        cands = {c.name: c for c in self.candidates(problem)}
+        key = problem.key(self._env(problem))
+        entry = self.db.get(key, known=list(cands))
+        if entry is not None:
+            try:
+                impl = cands[entry["winner"]].build(problem)
+                self.results[key] = TuneResult(key, entry["winner"], dict(entry.get("timings", {})),
+                                               dict(entry.get("excluded", {})), from_cache=True)
+                logger.info("nvgemm: %s -> %s (from %s)", problem, entry["winner"], self.db.path)
+                return impl
+            except Exception as exc:  # the recorded winner no longer builds: retune
+                logger.warning("nvgemm: cached winner %s fails to build (%s); retuning", entry["winner"], exc)
+        return self._tune(problem, key, list(cands.values()), a, b_kn, operands).impl  # type: ignore[return-value]
+
+    def tune(self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec) -> TuneResult:
+        """Tune this problem now (ignoring the database's entry) and record the winner."""
+        problem = Problem.of(a, b_kn, operands, spec)
+        key = problem.key(self._env(problem))
+        with self._lock:
+            result = self._tune(problem, key, self.candidates(problem), a, b_kn, operands)
+            self._impls[self._fast_key(a, b_kn, operands, spec)] = result.impl  # type: ignore[assignment]
+        return result
+
+    def _tune(self, problem, key, cands, a, b_kn, operands) -> TuneResult:
+        result = TuneResult(key, winner="")
+        bar = ProgressBar(len(cands), str(problem), stream=self.stream, enabled=self.progress)
+        ref = reference_fused_gemm(a, b_kn, list(operands), problem.spec)
+        built: dict[str, Impl] = {}
+        for cand in cands:
+            why = cand.applies(problem)
+            if why is None:
+                why = self._try(cand, problem, a, b_kn, operands, ref, result, built)
+            if why is not None:
+                result.excluded[cand.name] = why
+                logger.info("nvgemm: %s excluded for %s: %s", cand.name, problem, why)
+                bar.step(f"{cand.name}: excluded")
+            else:
+                bar.step(f"{cand.name}: {result.timings[cand.name] * 1e3:.1f} us")
+        if not result.timings:
+            raise LoweringError(
+                f"no candidate can run {problem}: "
+                + "; ".join(f"{n}: {w}" for n, w in result.excluded.items()),
+                where="nvgemm autotune",
+                hint="the reference path still runs it; check the exclusion reasons",
+            )
+        result.winner = min(result.timings, key=result.timings.__getitem__)
+        result.impl = built[result.winner]
+        self.results[key] = result
+        self.db.put(key, {
+            "winner": result.winner, "timings": result.timings, "excluded": result.excluded,
+            "problem": str(problem), "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+        logger.info("nvgemm: %s -> %s\n%s", problem, result.winner, result.table())
+        return result
+
+    def _try(self, cand, problem, a, b_kn, operands, ref, result, built) -> str | None:
+        try:
+            impl = cand.build(problem)
+        except Exception as exc:
+            return f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
+        ops = list(operands)
+        try:
+            got = impl(a, b_kn, ops, out)
+        except Exception as exc:
+            return f"run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        got = out if got is None else got
+        bad = numerics_error(got, ref, problem.spec.out_dtype)
+        if bad is not None:
+            return bad
+        try:
+            result.timings[cand.name] = float(self.timer(cand.name, lambda: impl(a, b_kn, ops, out)))
+        except Exception as exc:
+            return f"timing failed: {type(exc).__name__}: {exc}"
+        built[cand.name] = impl
+        return None
+
+
+_default: Autotuner | None = None
+_default_lock = threading.Lock()
+
+
+def get_autotuner() -> Autotuner:
+    """The process-wide autotuner the fused op uses."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Autotuner()
+        return _default
+
+
+def set_autotuner(tuner: Autotuner | None) -> None:
+    """Replace the process-wide autotuner (``None``: a fresh default one next time)."""
+    global _default
+    with _default_lock:
+        _default = tuner
+
+
+def select(a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec) -> Impl:
+    """The implementation the process-wide autotuner picks for this call."""
+    return get_autotuner().select(a, b_kn, operands, spec)

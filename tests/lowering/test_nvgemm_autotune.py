@@ -1,0 +1,270 @@
+"""The autotuner's decisions on CPU, with injected candidates and fake
+timings: winner choice, exclusions with reasons, the on-disk winner database
+(atomic, checksummed, rebuilt when corrupt or stale), M buckets, the progress
+bar, and the op using the process-wide autotuner."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+import warnings
+
+import pytest
+import torch
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm import autotune as at
+from branchyard.lowering.nvgemm import op as op_mod
+from branchyard.lowering.nvgemm.autotune import (
+    SCHEMA_VERSION,
+    Autotuner,
+    Candidate,
+    Problem,
+    ProgressBar,
+    WinnerDB,
+    m_bucket,
+)
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, unfused_aten_epilogue
+
+SPEC = EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")
+ENV = {"gpu": "FakeGPU sm90", "driver": "13.0", "cuda": "13.0", "torch": "2.14", "cutedsl": "4.6"}
+
+
+def _inputs(m=8, n=16, k=32):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), [torch.randn(n, generator=g)]
+
+
+class Recorder:
+    """Candidates whose builds, runs and timings are counted."""
+
+    def __init__(self, times: dict[str, float], *, wrong=(), broken=()):
+        self.times, self.wrong, self.broken = times, set(wrong), set(broken)
+        self.builds: list[str] = []
+        self.timed: list[str] = []
+
+    def candidate(self, name: str) -> Candidate:
+        def build(problem: Problem):
+            self.builds.append(name)
+            if name in self.broken:
+                raise LoweringError("no kernel for this shape")
+
+            def impl(a, b_kn, ops, out):
+                y = unfused_aten_epilogue(a @ b_kn, problem.spec, list(ops))
+                if name in self.wrong:
+                    y = y + 1.0
+                out.copy_(y)
+                return out
+
+            return impl
+
+        return Candidate(name, build)
+
+    def candidates(self) -> list[Candidate]:
+        return [self.candidate(n) for n in self.times]
+
+    def timer(self, name, fn):
+        fn()
+        self.timed.append(name)
+        return self.times[name]
+
+
+def _tuner(rec: Recorder, tmp_path, **kw) -> Autotuner:
+    kw.setdefault("progress", False)
+    return Autotuner(rec.candidates(), timer=rec.timer, db=WinnerDB(tmp_path), env=ENV, **kw)
+
+
+def test_fastest_candidate_wins_and_is_recorded(tmp_path):
+    rec = Recorder({"ours": 1.0, "cublas": 1.5, "aten": 3.0})
+    tuner = _tuner(rec, tmp_path)
+    a, b, ops = _inputs()
+    res = tuner.tune(a, b, ops, SPEC)
+    assert res.winner == "ours" and res.timings == {"ours": 1.0, "cublas": 1.5, "aten": 3.0}
+    data = json.loads((tmp_path / "winners.json").read_text())
+    assert data["schema"] == SCHEMA_VERSION
+    (entry,) = data["entries"].values()
+    assert entry["winner"] == "ours" and len(entry["checksum"]) == 16
+
+
+def test_excluded_candidates_say_why(tmp_path):
+    rec = Recorder({"broken": 0.1, "wrong": 0.2, "ok": 1.0}, wrong={"wrong"}, broken={"broken"})
+    na = Candidate("not-applicable", lambda p: pytest.fail("must not build"), lambda p: "only bias+relu chains")
+    tuner = Autotuner(rec.candidates() + [na], timer=rec.timer, db=WinnerDB(tmp_path), env=ENV, progress=False)
+    res = tuner.tune(*_inputs(), SPEC)
+    assert res.winner == "ok"
+    assert res.excluded["broken"].startswith("build failed: LoweringError: no kernel for this shape")
+    assert res.excluded["wrong"].startswith("numerics off at [")
+    assert res.excluded["not-applicable"] == "only bias+relu chains"
+    assert rec.timed == ["ok"], "candidates with wrong numerics are never timed"
+
+
+def test_no_surviving_candidate_is_a_lowering_error(tmp_path):
+    rec = Recorder({"a": 1.0, "b": 2.0}, broken={"a", "b"})
+    with pytest.raises(LoweringError, match=r"no candidate can run M=8 N=16 K=32 .*a: build failed.*b: build failed"):
+        _tuner(rec, tmp_path).tune(*_inputs(), SPEC)
+
+
+def test_winner_is_reused_from_disk_without_timing(tmp_path):
+    rec = Recorder({"ours": 1.0, "aten": 2.0})
+    _tuner(rec, tmp_path).select(*_inputs(), SPEC)
+    rec2 = Recorder({"ours": 1.0, "aten": 2.0})
+    tuner2 = _tuner(rec2, tmp_path)
+    impl = tuner2.select(*_inputs(), SPEC)
+    assert rec2.timed == [] and rec2.builds == ["ours"], "only the recorded winner is built"
+    (res,) = tuner2.results.values()
+    assert res.from_cache and res.winner == "ours"
+    a, b, ops = _inputs()
+    out = torch.empty(8, 16)
+    torch.testing.assert_close(impl(a, b, ops, out), torch.relu(a @ b + ops[0]))
+
+
+def test_select_caches_per_bucket_in_process(tmp_path):
+    rec = Recorder({"ours": 1.0, "aten": 2.0})
+    tuner = _tuner(rec, tmp_path)
+    tuner.select(*_inputs(m=100), SPEC)
+    tuner.select(*_inputs(m=128), SPEC)  # same bucket: no new tuning
+    assert rec.timed == ["ours", "aten"]
+    tuner.select(*_inputs(m=129), SPEC)  # next bucket: tuned again
+    assert rec.timed == ["ours", "aten", "ours", "aten"]
+    assert len(json.loads((tmp_path / "winners.json").read_text())["entries"]) == 2
+
+
+def test_key_names_everything_the_winner_depends_on():
+    a, b, ops = _inputs(m=100, n=16, k=32)
+    key = Problem.of(a, b, ops, SPEC).key(ENV)
+    for part in ("gpu=FakeGPU sm90", "driver=13.0", "cuda=13.0", "torch=2.14", "cutedsl=4.6",
+                 "spec=w=kn;bias@0;relu;out=float32", "dtype=float32", "operand_dtypes=float32",
+                 "layouts=a:row;b:kn;ops:vec", "n=16", "k=32", "m_bucket=128"):
+        assert part in key, part
+    wt = torch.randn(16, 32)
+    assert "b:nk" in Problem.of(a, wt.t(), ops, SPEC).key(ENV)
+    assert Problem.of(a.half(), b.half(), [o.half() for o in ops], SPEC).key(ENV) != key
+    assert m_bucket(8193) == 16384 and m_bucket(1) == 1
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda p: p.write_text("{not json"), "is corrupt"),
+        (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "entries": {}})), "has schema"),
+        (lambda p: p.write_text(p.read_text().replace('"winner": "ours"', '"winner": "aten"')), "fails its checksum"),
+    ],
+    ids=["corrupt-file", "other-schema", "tampered-entry"],
+)
+def test_damaged_database_is_detected_and_rebuilt(tmp_path, caplog, damage, message):
+    rec = Recorder({"ours": 1.0, "aten": 2.0})
+    _tuner(rec, tmp_path).select(*_inputs(), SPEC)
+    damage(tmp_path / "winners.json")
+    rec2 = Recorder({"ours": 1.0, "aten": 2.0})
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        _tuner(rec2, tmp_path).select(*_inputs(), SPEC)
+    assert message in caplog.text
+    assert rec2.timed == ["ours", "aten"], "a damaged entry is retuned, not trusted"
+    data = json.loads((tmp_path / "winners.json").read_text())
+    assert data["schema"] == SCHEMA_VERSION
+    assert [e["winner"] for e in data["entries"].values()] == ["ours"]
+    assert WinnerDB(tmp_path).get(next(iter(data["entries"]))) is not None
+
+
+def test_stale_winner_no_longer_offered_is_retuned(tmp_path):
+    _tuner(Recorder({"gone": 0.5, "aten": 2.0}), tmp_path).select(*_inputs(), SPEC)
+    rec = Recorder({"ours": 1.0, "aten": 2.0})
+    _tuner(rec, tmp_path).select(*_inputs(), SPEC)
+    assert rec.timed == ["ours", "aten"]
+    (entry,) = WinnerDB(tmp_path).entries().values()
+    assert entry["winner"] == "ours"
+
+
+def test_concurrent_writers_keep_every_entry_and_leave_no_temp_files(tmp_path):
+    db = WinnerDB(tmp_path)
+    threads = [threading.Thread(target=db.put, args=(f"k{i}", {"winner": f"w{i}"})) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(db.entries()) == sorted(f"k{i}" for i in range(16))
+    assert all(db.get(f"k{i}")["winner"] == f"w{i}" for i in range(16))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".winners.lock", "winners.json"]
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(tmp_path))
+    assert at.cache_dir() == tmp_path / "nvgemm"
+    assert WinnerDB().path == tmp_path / "nvgemm" / "winners.json"
+
+
+def test_progress_bar_reports_each_candidate(tmp_path):
+    stream = io.StringIO()
+    rec = Recorder({"ours": 1.0, "aten": 2.0})
+    Autotuner(rec.candidates(), timer=rec.timer, db=WinnerDB(tmp_path), env=ENV, progress=True,
+              stream=stream).tune(*_inputs(), SPEC)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("nvgemm autotune M=8 N=16 K=32 float32")
+    assert "1/2 ours: 1000.0 us" in lines[0] and "[########################] 2/2 aten" in lines[1]
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    s = Tty()
+    bar = ProgressBar(2, "x", stream=s)
+    bar.step("a")
+    bar.step("b")
+    assert s.getvalue().count("\r") == 2 and s.getvalue().endswith("\n") and s.getvalue().count("\n") == 1
+
+
+def test_default_candidates_and_applicability(monkeypatch):
+    a, b, ops = _inputs()
+    half = Problem.of(a.half(), b.half(), [o.half() for o in ops], EpilogueSpec.parse("w=kn;bias@0;relu;out=float16"))
+    names = [c.name for c in at.default_candidates(half, inductor=True)]
+    assert names[-3:] == ["cublaslt:_addmm_activation", "triton:inductor", "aten:unfused"]
+    assert "triton:inductor" not in [c.name for c in at.default_candidates(half, inductor=False)]
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
+    assert "triton:inductor" not in [c.name for c in at.default_candidates(half)]
+    cublas = next(c for c in at.default_candidates(half) if c.name.startswith("cublaslt"))
+    assert "CUDA only" in cublas.applies(half)
+    cuda_half = Problem(**{**half.__dict__, "device": "cuda:0"})
+    assert cublas.applies(cuda_half) is None
+    gelu_erf = Problem(**{**cuda_half.__dict__, "spec": EpilogueSpec.parse("w=kn;bias@0;gelu_erf;out=float16")})
+    assert "not bias+gelu_erf" in cublas.applies(gelu_erf)
+    promoted = Problem(**{**cuda_half.__dict__, "spec": EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")})
+    assert "input dtype" in cublas.applies(promoted)
+
+
+def test_aten_candidate_builds_and_passes_numerics(tmp_path):
+    a, b, ops = _inputs()
+    tuner = Autotuner(lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "aten:unfused"],
+                      timer=lambda name, fn: 1.0, db=WinnerDB(tmp_path), env=ENV, progress=False)
+    assert tuner.tune(a, b, ops, SPEC).winner == "aten:unfused"
+
+
+def test_numerics_error_reports_shape_dtype_and_worst_element():
+    ref = torch.ones(4, 8)
+    assert "shape [4, 7]" in at.numerics_error(torch.ones(4, 7), ref, torch.float32)
+    assert "dtype torch.float16" in at.numerics_error(torch.ones(4, 8, dtype=torch.float16), ref, torch.float32)
+    bad = ref.clone()
+    bad[2, 5] = 1.5
+    assert at.numerics_error(bad, ref, torch.float32).startswith("numerics off at [2, 5]: got 1.5")
+    assert at.numerics_error(ref.bfloat16(), ref * 1.004, torch.bfloat16) is None
+
+
+def test_op_runs_the_process_autotuner_when_eligible(tmp_path, monkeypatch):
+    rec = Recorder({"ours": 1.0, "aten": 2.0})
+    at.set_autotuner(_tuner(rec, tmp_path))
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    try:
+        a, w, bias = torch.randn(2, 3, 32), torch.randn(16, 32), torch.randn(16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the eligible path must not warn
+            out = op_mod.fused_gemm_epilogue(a, w, [bias], "w=nk;bias@0;relu;out=float32")
+        torch.testing.assert_close(out, torch.relu(a @ w.t() + bias))
+        assert rec.timed == ["ours", "aten"] and rec.builds == ["ours", "aten"]
+        (res,) = at.get_autotuner().results.values()
+        assert "layouts=a:row;b:nk;ops:vec" in res.key and "m_bucket=8" in res.key
+    finally:
+        at.set_autotuner(None)

@@ -332,3 +332,29 @@ def test_set_kernels_compile_with_nvrtc():
     assert cubin[:4] == b"\x7fELF"
     for name in (b"branchyard_set_bool", b"branchyard_set_if_pair", b"branchyard_set_index"):
         assert name in cubin
+
+
+# --------------------------------------------------------------------------- hand-built programs (torch 2.11 path)
+def test_switch_in_while_from_fx_builders_analyzes_and_runs():
+    from branchyard.lowering.cuda_graph.fx_builders import switch_module, trace, while_loop_module
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sw = switch_module([(lambda k: lambda x: x * (k + 1) + k)(k) for k in range(8)], num_operands=1)
+
+        def forward(self, i, x, ks):
+            return i + 1, self.sw(torch.index_select(ks, 0, i.view(1)), x)[0]
+
+    program = while_loop_module(lambda i, x, ks: i < ks.shape[0], trace(Body()), num_carried=2, num_additional=1)
+    ks = torch.tensor([0, 7, 3, -4, 12, 5])  # -4 and 12 clamp to 0 and 7
+    args = (torch.tensor(0), torch.ones(3), ks)
+    report = analyze(program, args)
+    assert report.counts == {"while_loop": 1, "switch": 1}
+    assert report.sites[1].depth == 1 and "module 'sw'" in report.sites[1].where
+    x = torch.ones(3)
+    for k in ks.clamp(0, 7).tolist():
+        x = x * (k + 1) + k
+    i, y = program(*args)
+    assert i.item() == 6
+    torch.testing.assert_close(y, x)

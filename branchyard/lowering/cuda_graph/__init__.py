@@ -44,6 +44,7 @@ def cuda_graph(
     *,
     max_iterations: int | None = None,
     if_else: str = "auto",
+    switch: str = "node",
     clone_outputs: bool = True,
 ) -> CudaGraphModule:
     """Capture ``program`` (an ExportedProgram or GraphModule) as one CUDA graph.
@@ -53,7 +54,9 @@ def cuda_graph(
     inputs into static buffers and replay. ``max_iterations`` stops every
     ``while_loop`` after that many trips (``CudaGraphModule.iterations_exhausted()``
     says whether one was stopped); ``if_else`` picks ``"one_node"``,
-    ``"two_nodes"`` or ``"auto"`` (one node where the driver is CUDA >= 12.8).
+    ``"two_nodes"`` or ``"auto"`` (one node where the driver is CUDA >= 12.8);
+    ``switch="if_chain"`` lowers a switch as n IF nodes (XLA's way; for
+    comparison) instead of one SWITCH node.
     Without CUDA it falls back to eager, warning once::
 
         >>> import torch, warnings
@@ -69,7 +72,7 @@ def cuda_graph(
         tensor([0.5000, 0.5000])
     """
     return CudaGraphModule(
-        program, example_inputs, max_iterations=max_iterations, if_else=if_else, clone_outputs=clone_outputs
+        program, example_inputs, max_iterations=max_iterations, if_else=if_else, switch=switch, clone_outputs=clone_outputs
     )
 
 

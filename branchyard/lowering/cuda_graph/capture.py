@@ -78,6 +78,7 @@ class LoweringContext:
     device: torch.device | None
     max_iterations: int | None = None
     if_else_one_node: bool = True
+    switch_as_ifs: bool = False
     builder: Any = None  # ConditionalBuilder during CAPTURE
     exhausted: torch.Tensor | None = None  # set by loops that hit max_iterations
     out_meta: dict[Node, list[TensorMeta]] = field(default_factory=dict)
@@ -165,6 +166,14 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
             return handler.capture(self, self._node, *unpacked)
         return handler.evaluate(self, self._node, *unpacked)
 
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        sub = self.fetch_attr(target)
+        if isinstance(sub, GraphModule) and not kwargs:
+            # A hand-built or traced sub-program: walk it here so its control flow is lowered too.
+            path = (*self.path, f"module {target!r}")
+            return ControlFlowInterpreter(sub, self.ctx, path, self.depth).run(*args)
+        return super().call_module(target, args, kwargs)
+
     def call_method(self, target: str, args: tuple, kwargs: dict) -> Any:
         self._check_rng("call_method", target)
         return super().call_method(target, args, kwargs)
@@ -248,9 +257,12 @@ class CudaGraphModule(torch.nn.Module):
         *,
         max_iterations: int | None = None,
         if_else: str = "auto",
+        switch: str = "node",
         clone_outputs: bool = True,
     ):
         super().__init__()
+        if switch not in ("node", "if_chain"):
+            raise LoweringError(f"switch must be 'node' or 'if_chain', got {switch!r}", where="cuda_graph")
         if if_else not in ("auto", "one_node", "two_nodes"):
             raise LoweringError(f"if_else must be 'auto', 'one_node' or 'two_nodes', got {if_else!r}", where="cuda_graph")
         if max_iterations is not None and (not isinstance(max_iterations, int) or max_iterations < 0):
@@ -264,7 +276,7 @@ class CudaGraphModule(torch.nn.Module):
         self._example_meta = [(type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in inputs]
 
         device = self._target_device(inputs)
-        self.ctx = LoweringContext(Phase.VALIDATE, device, max_iterations=max_iterations)
+        self.ctx = LoweringContext(Phase.VALIDATE, device, max_iterations=max_iterations, switch_as_ifs=switch == "if_chain")
         validate(self.gm, inputs, self.ctx)  # structural errors raise here, on any machine
         self.sites = list(self.ctx.sites)
         if device is None:

@@ -21,6 +21,7 @@ Semantics of the set kernels, as Python (``n`` = number of SWITCH bodies)::
     set_bool(h, p):          h = 1 if p else 0
     set_if_pair(h1, h2, p):  h1, h2 = (1, 0) if p else (0, 1)   # IF + IF lowering of if/else
     set_index(h, i, n):      h = min(max(i, 0), n - 1)          # torch.ops.higher_order.switch clamps
+    set_eq(h, i, n, k):      h = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
 
 Nothing here is imported before it is needed: ``branchyard.lowering`` must
 import on a machine without CUDA or ``cuda-bindings``.
@@ -81,9 +82,16 @@ extern "C" __global__ void branchyard_set_index(cudaGraphConditionalHandle h, co
     i = i < 0 ? 0 : (i >= n ? n - 1 : i);
     cudaGraphSetConditional(h, (unsigned int)i);
 }
+
+extern "C" __global__ void branchyard_set_eq(cudaGraphConditionalHandle h, const long long* index, long long n,
+                                             long long k) {
+    long long i = *index;
+    i = i < 0 ? 0 : (i >= n ? n - 1 : i);
+    cudaGraphSetConditional(h, i == k ? 1u : 0u);
+}
 """
 
-SET_KERNEL_NAMES = ("branchyard_set_bool", "branchyard_set_if_pair", "branchyard_set_index")
+SET_KERNEL_NAMES = ("branchyard_set_bool", "branchyard_set_if_pair", "branchyard_set_index", "branchyard_set_eq")
 
 
 def cuda_bindings_available() -> str | None:
@@ -200,7 +208,8 @@ class ConditionalBuilder:
             for name in SET_KERNEL_NAMES
         }
         self.driver_version: int = _check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
-        self._streams: list[torch.cuda.Stream] = []  # one per nesting depth, reused
+        # One side stream per nesting depth, made now: creating streams during a capture is unsafe.
+        self._streams: list[torch.cuda.Stream] = [torch.cuda.Stream(device) for _ in range(8)]
         self._depth = 0
         self.bodies_of: dict[int, list[Any]] = {}
         self.nodes_added: dict[str, int] = {k.name: 0 for k in CondKind}
@@ -261,6 +270,16 @@ class ConditionalBuilder:
             "branchyard_set_index",
             (int(handle), index.data_ptr(), n),
             (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong),
+        )
+        self._keepalive.append(index)
+
+    def set_from_index_eq(self, handle: Any, index: torch.Tensor, n: int, k: int) -> None:
+        """Capture a set kernel: ``handle = (clamp(index, 0, n - 1) == k)`` (switch as a chain of IFs)."""
+        self._check_scalar(index, torch.int64)
+        self._launch(
+            "branchyard_set_eq",
+            (int(handle), index.data_ptr(), n, k),
+            (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong),
         )
         self._keepalive.append(index)
 

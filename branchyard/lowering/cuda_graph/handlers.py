@@ -304,6 +304,16 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
     outs = [m.empty(ctx.device) for m in ctx.out_meta[node]]
     idx = index.reshape(()).to(torch.int64)
     interp.keep(outs, idx)
+    if ctx.switch_as_ifs:
+        # How XLA lowers an n-way case: n IF nodes, each testing index == k (kept for comparison).
+        handles = [b.new_handle() for _ in branches]
+        for k, h in enumerate(handles):
+            b.set_from_index_eq(h, idx, n, k)
+        for k, (h, fn) in enumerate(zip(handles, branches)):
+            (body,) = b.add_node(CondKind.IF, h, 1)
+            with b.capture_into(body):
+                _fill(interp, fn, operands, outs, f"branch {k}")
+        return tuple(outs)
     handle = b.new_handle()
     b.set_from_index(handle, idx, n)
     bodies = b.add_node(CondKind.SWITCH, handle, n)

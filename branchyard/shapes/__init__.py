@@ -30,6 +30,7 @@ from branchyard.shapes.decorator import dynamic_spec, get_spec
 from branchyard.shapes.entry_points import SpecCompiled, compile, export, make_fx
 from branchyard.shapes.shape_var import DimExpr, ShapeVar
 from branchyard.shapes.spec import ShapesSpec
+from branchyard.shapes.suggest import suggest
 
 __all__ = [
     "ShapeVar",
@@ -41,4 +42,5 @@ __all__ = [
     "compile",
     "make_fx",
     "SpecCompiled",
+    "suggest",
 ]

@@ -222,7 +222,7 @@ def test_default_candidates_and_applicability(monkeypatch):
     a, b, ops = _inputs()
     half = Problem.of(a.half(), b.half(), [o.half() for o in ops], EpilogueSpec.parse("w=kn;bias@0;relu;out=float16"))
     names = [c.name for c in at.default_candidates(half, inductor=True)]
-    assert names[-3:] == ["cublaslt:_addmm_activation", "triton:inductor", "aten:unfused"]
+    assert names[-4:] == ["cublaslt:_addmm_activation", "cublas:addmm", "triton:inductor", "aten:unfused"]
     assert "triton:inductor" not in [c.name for c in at.default_candidates(half, inductor=False)]
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
     assert "triton:inductor" not in [c.name for c in at.default_candidates(half)]
@@ -307,3 +307,41 @@ def test_cutedsl_candidates_use_the_disk_kernel_cache_when_the_kernel_module_can
     assert exported == [names[0].removeprefix("cutedsl:")], "the second build loads from disk"
     (entry,) = (tmp_path / "nvgemm" / "kernels").iterdir()
     assert (entry / "kernel.bin").read_text() == f"w=kn;bias@0;relu;out=float32|{exported[0]}|kn"
+
+
+@pytest.mark.parametrize(
+    "text, applies",
+    [("scale:0.5;residual@0", True), ("bias@0", True), ("residual@0", True), ("bias@0;relu", False),
+     ("residual@0;scale:0.5", False)],
+)
+def test_addmm_candidate_fuses_scale_and_residual_exactly(text, applies, tmp_path):
+    a, b = torch.randn(8, 32), torch.randn(32, 16)
+    spec = EpilogueSpec.parse(f"w=kn;{text};out=float32")
+    ops = [torch.randn(16) if s.op.operand == "col" else torch.randn(8, 16) for s in spec.steps
+           if s.op.operand in ("col", "matrix")]
+    problem = Problem.of(a, b, ops, spec)
+    cand = next(c for c in at.default_candidates(problem, inductor=False) if c.name == "cublas:addmm")
+    assert (cand.applies(problem) is None) is applies
+    if applies:
+        got = cand.build(problem)(a, b, ops, torch.empty(8, 16))
+        assert at.numerics_error(got, at.reference_fused_gemm(a, b, ops, spec), torch.float32) is None
+
+
+def test_inductor_candidates_get_their_own_code_object():
+    s1, s2 = EpilogueSpec.parse("w=kn;relu;out=float32"), EpilogueSpec.parse("w=kn;tanh;out=float32")
+    f1, f2 = at._fresh_chain(s1), at._fresh_chain(s2)
+    assert f1.__code__ is not f2.__code__
+    a, b = torch.randn(4, 8), torch.randn(8, 16)
+    torch.testing.assert_close(f1(a, b), torch.relu(a @ b))
+    torch.testing.assert_close(f2(a, b), torch.tanh(a @ b))
+
+
+def test_max_configs_env_limits_cutedsl_candidates(monkeypatch):
+    from branchyard.lowering.nvgemm import cutedsl_gemm
+
+    monkeypatch.setattr(cutedsl_gemm, "cutedsl_available", lambda: (True, ""))
+    a, b, ops = _inputs(m=4096)
+    problem = Problem.of(a.half(), b.half(), [o.half() for o in ops], SPEC)
+    assert len(at._cutedsl_candidates(problem)) > 1
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_MAX_CONFIGS", "1")
+    assert [c.name for c in at._cutedsl_candidates(problem)] == ["cutedsl:t128x256_c1x1_o1"]

@@ -444,16 +444,53 @@ def _cublaslt_build(problem: Problem) -> Impl:
     return impl
 
 
+#: (spec, mode, shapes, dtypes, strides) -> the compiled chain. Shared by the
+#: op's autotuner and the benchmark, so each shape compiles once per process.
+_INDUCTOR_FNS: dict[tuple, Callable[..., torch.Tensor]] = {}
+
+
+def _fresh_chain(spec: EpilogueSpec) -> Callable[..., torch.Tensor]:
+    """The unfused chain as a function with its OWN code object: Dynamo keeps
+    its compile cache (and recompile limit) per code object, so one shared
+    function would fall back to eager after a handful of shapes."""
+    ns: dict[str, Any] = {"_chain": unfused_aten_epilogue, "_spec": spec, "torch": torch}
+    exec("def nvgemm_chain(a, b_kn, *ops):\n    return _chain(torch.mm(a, b_kn), _spec, list(ops))\n", ns)
+    return ns["nvgemm_chain"]
+
+
 def _inductor_build(problem: Problem, mode: str) -> Impl:
-    spec = problem.spec
-
-    def chain(a, b_kn, *operands):
-        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands))
-
-    compiled = torch.compile(chain, mode=mode, dynamic=False, fullgraph=True)
+    key = (str(problem.spec), mode, problem.m, problem.n, problem.k, problem.dtype, problem.operand_dtypes,
+           problem.a_layout, problem.b_layout, problem.operand_layouts, problem.device)
+    compiled = _INDUCTOR_FNS.get(key)
+    if compiled is None:
+        compiled = torch.compile(_fresh_chain(problem.spec), mode=mode, dynamic=False, fullgraph=True)
+        _INDUCTOR_FNS[key] = compiled
 
     def impl(a, b_kn, operands, out):
         return compiled(a, b_kn, *operands)
+
+    return impl
+
+
+#: Chains cuBLAS applies inside the GEMM through addmm's C input (beta=1):
+#: names -> (index of the scale step or None).
+_ADDMM_CHAINS = {("bias",), ("residual",), ("scale", "bias"), ("scale", "residual")}
+
+
+def _addmm_applies(problem: Problem) -> str | None:
+    if problem.spec.names not in _ADDMM_CHAINS:
+        return f"addmm fuses only [scale +] bias or residual, not {'+'.join(problem.spec.names)}"
+    if problem.spec.out_dtype != problem.dtype or any(d != problem.dtype for d in problem.operand_dtypes):
+        return "addmm needs its input and output in the matmul dtype"
+    return None
+
+
+def _addmm_build(problem: Problem) -> Impl:
+    steps = problem.spec.steps
+    alpha = float(steps[0].operand) if steps[0].op.name == "scale" else 1.0  # type: ignore[arg-type]
+
+    def impl(a, b_kn, operands, out):
+        return torch.addmm(operands[0], a, b_kn, alpha=alpha, out=out)
 
     return impl
 
@@ -504,6 +541,9 @@ def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
         logger.info("nvgemm: no CuTeDSL candidates: %s", why)
         return []
     configs = candidate_configs(problem.m, problem.n, problem.k, _dt(problem.dtype))
+    limit = os.environ.get("BRANCHYARD_NVGEMM_MAX_CONFIGS")
+    if limit:
+        configs = configs[: max(1, int(limit))]
     return [
         Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c)) for c in configs
     ]
@@ -524,13 +564,15 @@ def _cutlass_plain_candidates(problem: Problem) -> list[Candidate]:
 def default_candidates(problem: Problem, *, inductor: bool | None = None) -> list[Candidate]:
     """The candidates for ``problem``, ours first.
 
-    ``inductor`` (default: env ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds
+    ``BRANCHYARD_NVGEMM_MAX_CONFIGS=n`` keeps only the first ``n`` CuTeDSL tile
+    configs (each is a separate compile). ``inductor`` (default: env ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds
     the Inductor max-autotune candidate, which compiles for minutes.
     """
     if inductor is None:
         inductor = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR", "1") != "0"
     out = _cutedsl_candidates(problem) + _cutlass_plain_candidates(problem)
     out.append(Candidate("cublaslt:_addmm_activation", _cublaslt_build, _cublaslt_applies))
+    out.append(Candidate("cublas:addmm", _addmm_build, _addmm_applies))
     if inductor:
         mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "max-autotune-no-cudagraphs")
         out.append(Candidate("triton:inductor", functools.partial(_inductor_build, mode=mode)))

@@ -1,0 +1,405 @@
+"""One spec, three consumers: export, compile and make_fx (ours and torch's own).
+
+Graph structure is asserted by counting: unbacked symbols in the inputs,
+``_assert_scalar`` nodes, frames compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+import branchyard.shapes as shapes
+from branchyard.errors import DataDependentShapeError, ShapeSpecError, SpecViolationError
+from branchyard.shapes import ShapesSpec, ShapeVar, dynamic_spec
+
+ASSERT = torch.ops.aten._assert_scalar.default
+
+
+def input_symbols(gm: torch.fx.GraphModule, names: list[str] | None = None) -> set:
+    """Unbacked symbols in the sizes of the graph's (user) inputs."""
+    out: set = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if names is not None and node.name not in names:
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d in val.shape:
+                out |= free_unbacked_symbols(d)
+        elif isinstance(val, torch.SymInt):
+            out |= free_unbacked_symbols(val)
+    return out
+
+
+def n_asserts(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is ASSERT)
+
+
+def assert_messages(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.args[1] for n in gm.graph.nodes if n.target is ASSERT]
+
+
+# -- the issue's example, verbatim -----------------------------------------------------------
+
+model = torch.nn.Linear(768, 10)
+batch = ShapeVar("batch", min=2, max=128)
+
+
+@dynamic_spec({"x": (batch, 768)})
+def forward(x):
+    return model(x)
+
+
+def test_issue_example_through_our_entry_points():
+    x = torch.randn(4, 768)
+    ep = shapes.export(forward, (x,))
+    assert [str(r) for r in ep.range_constraints.values()] == ["VR[2, 128]"]
+    assert list(ep.graph_signature.parameters) == ["model.weight", "model.bias"]  # weights stay parameters
+    for n in (2, 7, 128):
+        xn = torch.randn(n, 768)
+        torch.testing.assert_close(ep.module()(xn), model(xn))
+
+    gm = shapes.make_fx(forward)(x)
+    assert len(input_symbols(gm)) == 1 and n_asserts(gm) == 2  # u0 >= 2, u0 <= 128
+    x9 = torch.randn(9, 768)
+    torch.testing.assert_close(gm(x9), model(x9))
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(forward, backend=counter)
+    for n in (2, 3, 17, 128):  # 0/1 never specialise; no recompile inside the range
+        xn = torch.randn(n, 768)
+        torch.testing.assert_close(compiled(xn), model(xn))
+    assert counter.frame_count == 1
+
+
+def test_issue_example_through_torchs_own_entry_points():
+    x = torch.randn(4, 768)
+    gm = torch_make_fx(forward, tracing_mode="fake", _allow_non_fake_inputs=True)(x)
+    assert len(input_symbols(gm)) == 1
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(forward, backend=counter)
+    for n in (2, 5, 100):
+        compiled(torch.randn(n, 768))
+    assert counter.frame_count == 1
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        @dynamic_spec({"x": (batch, 768)})
+        def forward(self, x):
+            return self.model(x)
+
+    ep = torch.export.export(Head(), (x,))
+    assert [str(r) for r in ep.range_constraints.values()] == ["VR[2, 128]"]
+
+
+def test_native_decorator_tuple_form_is_what_we_fix():
+    """torch 2.14.1's own decorator takes the tuple, then fails at trace time."""
+    from torch.fx.experimental import dynamic_spec as native
+
+    @native.dynamic_spec({"x": (native.ShapeVar("b", min=2, max=8), 768)})
+    def f(x):
+        return x * 2
+
+    with pytest.raises(Exception, match="unexpected leaf spec type tuple"):
+        torch_make_fx(f, tracing_mode="fake")(torch.randn(4, 768))
+
+
+# -- modules: class, forward in the class body, instance -----------------------------------------
+
+
+@dynamic_spec({"x": (batch, 8)})
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_decorated_module_class_in_all_entry_points():
+    m = Tiny()
+    x = torch.randn(3, 8)
+    ep = shapes.export(m, (x,))
+    assert list(ep.graph_signature.parameters) == ["lin.weight", "lin.bias"]
+    assert len(input_symbols(ep.graph_module, ep.graph_signature.user_inputs)) == 1
+    assert len(input_symbols(shapes.make_fx(m)(x))) == 1
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(m, backend=counter)
+    for n in (2, 9):
+        torch.testing.assert_close(compiled(torch.ones(n, 8)), m(torch.ones(n, 8)))
+    assert counter.frame_count == 1
+    # torch's own export reads the spec attached to forward
+    assert [str(r) for r in torch.export.export(m, (x,)).range_constraints.values()] == ["VR[2, 128]"]
+
+
+def test_decorated_module_instance():
+    lin = dynamic_spec({"input": (batch, 8)})(torch.nn.Linear(8, 3))
+    ep = shapes.export(lin, (torch.randn(4, 8),))
+    assert list(ep.graph_signature.parameters) == ["weight", "bias"]
+    assert len(input_symbols(shapes.make_fx(lin)(torch.randn(4, 8)))) == 1
+
+
+def test_spec_twice_is_an_error():
+    with pytest.raises(ShapeSpecError, match="attached with @dynamic_spec and another was passed"):
+        shapes.export(forward, (torch.randn(4, 768),), spec={"x": (batch, 768)})
+    with pytest.raises(ShapeSpecError, match="no dynamic spec"):
+        shapes.make_fx(lambda x: x)
+
+
+# -- a var shared across inputs stays one symbol ----------------------------------------------------
+
+
+def add3(x, y, z):
+    return x + y * z
+
+
+SHARED = ShapesSpec({"x": (batch, 4), "y": (batch, 4), "z": (batch, 4)})
+ARGS3 = (torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_shared_var_is_one_symbol_with_one_range_check_in_export():
+    ep = shapes.export(add3, ARGS3, spec=SHARED)
+    assert len(input_symbols(ep.graph_module)) == 1
+    assert len(ep.range_constraints) == 1
+    # 2 range checks for the var + one equality per extra input
+    assert n_asserts(ep.graph_module) == 4
+    assert sorted(m for m in assert_messages(ep.graph_module) if "branchyard" in m) == [
+        "branchyard.shapes: input y dim 0 must equal batch",
+        "branchyard.shapes: input z dim 0 must equal batch",
+    ]
+    with pytest.raises(Exception, match=r"y.size\(\)\[0\] == x.size\(\)\[0\]|input y dim 0 must equal batch"):
+        ep.module()(torch.ones(4, 4), torch.ones(5, 4), torch.ones(4, 4))
+
+
+def test_torch_native_makes_a_symbol_per_occurrence():
+    """The baseline we improve on: 3 symbols, 8 asserts for the same spec."""
+    ep = torch.export.export(_Add3(), ARGS3, dynamic_shapes=SHARED.to_torch())
+    assert len(ep.range_constraints) == 3  # u0, u1, u2, tied by Eq(u1, u0), Eq(u2, u0)
+    assert n_asserts(ep.graph_module) == 8
+
+
+class _Add3(torch.nn.Module):
+    def forward(self, x, y, z):
+        return add3(x, y, z)
+
+
+def test_shared_var_is_one_symbol_in_make_fx_and_checks_run():
+    gm = shapes.make_fx(add3, spec=SHARED)(*ARGS3)
+    assert len(input_symbols(gm)) == 1 and n_asserts(gm) == 4
+    torch.testing.assert_close(gm(*ARGS3), add3(*ARGS3))
+    with pytest.raises(RuntimeError, match="input z_1 dim 0 must equal batch"):
+        gm(torch.ones(4, 4), torch.ones(4, 4), torch.ones(6, 4))
+    with pytest.raises(RuntimeError, match="u0 <= 128"):
+        gm(torch.ones(200, 4), torch.ones(200, 4), torch.ones(200, 4))
+
+
+def test_shared_var_compiles_once():
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(add3, spec=SHARED, backend=counter)
+    for n in (2, 4, 33):
+        a = (torch.randn(n, 4), torch.randn(n, 4), torch.randn(n, 4))
+        torch.testing.assert_close(compiled(*a), add3(*a))
+    assert counter.frame_count == 1
+
+
+# -- derived dims, tensor and int --------------------------------------------------------------------
+
+heads = ShapeVar("heads", min=1, max=8)
+seq = ShapeVar("seq", min=8, max=64, multiple_of=8)
+DERIVED = ShapesSpec({"x": (batch, 4), "y": (2 * batch, 4), "w": (batch * heads, heads), "s": (seq,), "n": seq - 1})
+
+
+def derived_fn(x, y, w, s, n):
+    return torch.cat([x, x], 0) + y, w.sum(0), s[:n]
+
+
+def derived_args(b=4, h=3, sq=16):
+    return (torch.randn(b, 4), torch.randn(2 * b, 4), torch.randn(b * h, h), torch.randn(sq), sq - 1)
+
+
+def check_outputs(got, args):
+    for g, e in zip(got, derived_fn(*args)):
+        torch.testing.assert_close(g, e)
+
+
+def test_derived_dims_in_export():
+    ep = shapes.export(derived_fn, derived_args(), spec=DERIVED)
+    # one symbol per var (batch, heads, seq) + one for the int input n, tied to seq by one assert
+    assert len(input_symbols(ep.graph_module, ["x", "y", "w", "s"])) == 3
+    assert len(input_symbols(ep.graph_module)) == 4
+    msgs = assert_messages(ep.graph_module)
+    assert "branchyard.shapes: input y dim 0 must equal 2*batch" in msgs
+    assert "branchyard.shapes: input w dim 0 must equal batch*heads" in msgs
+    assert any("Eq(u3 + 1, u2)" in m for m in msgs)  # n == seq - 1
+    for b, h, sq in [(2, 1, 8), (5, 2, 24), (128, 8, 64)]:
+        a = derived_args(b, h, sq)
+        check_outputs(ep.module()(*a), a)
+    with pytest.raises(RuntimeError, match="input y dim 0 must equal 2\\*batch"):
+        ep.module()(torch.randn(5, 4), torch.randn(11, 4), torch.randn(10, 2), torch.randn(24), 23)
+
+
+def test_derived_dims_in_make_fx():
+    gm = shapes.make_fx(derived_fn, spec=DERIVED)(*derived_args())
+    assert len(input_symbols(gm)) == 3  # n is the SymInt seq - 1, no symbol of its own
+    assert "branchyard.shapes: input n_1 must equal seq - 1" in assert_messages(gm)
+    a = derived_args(6, 2, 32)
+    check_outputs(gm(*a), a)
+    with pytest.raises(RuntimeError, match="input n_1 must equal seq - 1"):
+        gm(*derived_args(6, 2, 32)[:4], 30)
+
+
+def test_derived_dims_compile_once_across_sizes():
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(derived_fn, spec=DERIVED, backend=counter)
+    for b, h, sq in [(2, 1, 8), (5, 2, 24), (9, 4, 40)]:
+        a = derived_args(b, h, sq)
+        check_outputs(compiled(*a), a)
+    assert counter.frame_count == 1
+
+
+def test_int_bound_only_by_an_int_argument_in_export():
+    steps = ShapeVar("steps", min=1, max=32)
+
+    def f(x, k, k2):
+        return x[:k] * 2, k2
+
+    spec = {"x": (batch, 4), "k": steps, "k2": 2 * steps}
+    ep = shapes.export(f, (torch.randn(40, 4), 3, 6), spec=spec)
+    out, k2 = ep.module()(torch.randn(40, 4), 5, 10)
+    assert out.shape == (5, 4) and k2 == 10
+    with pytest.raises(RuntimeError, match="Eq"):
+        ep.module()(torch.randn(40, 4), 5, 11)
+
+
+# -- divisibility is a fact the compiler uses ------------------------------------------------------
+
+
+def split_heads(x):
+    # The branch is decided at trace time by the divisibility fact; without it,
+    # it is a data-dependent guard on an unbacked size.
+    if x.shape[0] % 8 != 0:
+        x = torch.nn.functional.pad(x, (0, 0, 0, 8 - x.shape[0] % 8))
+    return x.reshape(x.shape[0] // 8, 8, x.shape[1]).sum(1)
+
+
+DIVISIBLE = ShapesSpec({"x": (seq, 4)})
+
+
+def test_multiple_of_reaches_the_compiler_in_all_entry_points():
+    x = torch.randn(16, 4)
+    ep = shapes.export(split_heads, (x,), spec=DIVISIBLE)
+    assert any("Eq(Mod(u0, 8), 0)" in m for m in assert_messages(ep.graph_module))
+    assert not any(n.target is torch.ops.aten.constant_pad_nd.default for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(torch.ones(24, 4)), torch.full((3, 4), 8.0))
+    gm = shapes.make_fx(split_heads, spec=DIVISIBLE)(x)
+    torch.testing.assert_close(gm(torch.ones(40, 4)), torch.full((5, 4), 8.0))
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(split_heads, spec=DIVISIBLE, backend=counter)
+    for n in (8, 16, 64):
+        torch.testing.assert_close(compiled(torch.ones(n, 4)), torch.full((n // 8, 4), 8.0))
+    assert counter.frame_count == 1
+
+
+def test_without_multiple_of_the_same_reshape_is_data_dependent():
+    plain = ShapesSpec({"x": (ShapeVar("seq", min=8, max=64), 4)})
+    with pytest.raises(DataDependentShapeError, match=r"ShapeVar 'seq': the condition `Mod\(seq, 8\) > 0`|ShapeVar 'seq'"):
+        shapes.make_fx(split_heads, spec=plain)(torch.randn(16, 4))
+
+
+# -- input validation ---------------------------------------------------------------------------------
+
+
+def test_violating_input_fails_before_tracing_or_running_in_each_entry_point():
+    bad = (torch.randn(200, 768),)
+    pattern = r"argument 'x': x dim 0 has size 200, outside ShapeVar 'batch' \(2 <= batch <= 128\)"
+    with pytest.raises(SpecViolationError, match=pattern):
+        shapes.export(forward, bad)
+    with pytest.raises(SpecViolationError, match=pattern):
+        shapes.make_fx(forward)(*bad)
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(forward, backend=counter)
+    with pytest.raises(SpecViolationError, match=pattern):
+        compiled(*bad)
+    assert counter.frame_count == 0  # nothing was compiled for the bad input
+    compiled(torch.randn(4, 768))
+    with pytest.raises(SpecViolationError, match=r"x dim 1 has size 767, the spec fixes it at 768"):
+        compiled(torch.randn(4, 767))
+    assert counter.frame_count == 1
+
+
+def test_divisibility_violation_names_the_divisor():
+    with pytest.raises(SpecViolationError, match=r"x dim 0 has size 12, outside ShapeVar 'seq' \(8 <= seq <= 64, multiple of 8\)"):
+        shapes.export(split_heads, (torch.randn(12, 4),), spec=DIVISIBLE)
+
+
+# -- data-dependent branches -----------------------------------------------------------------------
+
+
+def branchy(x):
+    if x.shape[0] > 64:
+        return x * 2
+    return x + 1
+
+
+BRANCH_LINE = "if x.shape[0] > 64:"
+BRANCH_SPEC = ShapesSpec({"x": (batch, 4)})
+
+
+@pytest.mark.parametrize("entry", ["export", "make_fx", "compile"])
+def test_branch_on_declared_dim_names_var_condition_line_and_remedies(entry):
+    x = torch.randn(4, 4)
+    run = {
+        "export": lambda: shapes.export(branchy, (x,), spec=BRANCH_SPEC),
+        "make_fx": lambda: shapes.make_fx(branchy, spec=BRANCH_SPEC)(x),
+        "compile": lambda: shapes.compile(branchy, spec=BRANCH_SPEC, backend="eager")(x),
+    }[entry]
+    with pytest.raises(DataDependentShapeError) as info:
+        run()
+    text = str(info.value)
+    assert "test_shapes_entry_points.py:" in text
+    assert "ShapeVar 'batch'" in text and "`batch > 64`" in text and BRANCH_LINE in text
+    assert "torch.cond" in text
+    assert "ShapeVar('batch', min=65, max=128) makes it always True" in text
+    assert info.value.shape_vars == ["batch"]
+
+
+def test_torch_cond_is_the_way_out():
+    def with_cond(x):
+        return torch.cond(x.shape[0] > 64, lambda t: t * 2, lambda t: t + 1, (x,))
+
+    gm = shapes.make_fx(with_cond, spec=BRANCH_SPEC)(torch.randn(4, 4))
+    torch.testing.assert_close(gm(torch.ones(100, 4)), torch.full((100, 4), 2.0))
+    torch.testing.assert_close(gm(torch.ones(3, 4)), torch.full((3, 4), 2.0))
+
+
+# -- containers and kwargs ---------------------------------------------------------------------------
+
+
+def test_make_fx_accepts_kwargs_and_keyword_only_parameters():
+    def f(x, *, scale, bias=None):
+        return x * scale + bias
+
+    spec = {"x": (batch, 4), "bias": (batch, 4)}
+    x, b = torch.randn(3, 4), torch.randn(3, 4)
+    gm = shapes.make_fx(f, spec=spec)(x, scale=2.0, bias=b)
+    assert len(input_symbols(gm)) == 1
+    torch.testing.assert_close(gm(x, 2.0, b), x * 2.0 + b)
+
+
+def test_dict_and_varargs_entries_in_export_and_make_fx():
+    def f(cache, *rest):
+        return cache["k"] + rest[0]
+
+    spec = {"cache": {"k": (batch, 4)}, "rest": [(batch, 4)]}
+    args = ({"k": torch.randn(5, 4), "v": torch.randn(2)}, torch.randn(5, 4))
+    ep = shapes.export(f, args, spec=spec)
+    assert len(ep.range_constraints) == 1
+    gm = shapes.make_fx(f, spec=spec)(*args)
+    assert len(input_symbols(gm)) == 1

@@ -250,3 +250,17 @@ def test_rewritten_program_traces_with_make_fx_and_dynamic_batch():
     assert _count(gm.graph) == 2
     x6 = torch.randn(6, 16)
     torch.testing.assert_close(gm(params, x6), ep.module()(x6), rtol=1e-5, atol=1e-5)
+
+
+def test_op_falls_back_when_no_candidate_works(monkeypatch):
+    op_mod.reset_fallback_warnings()
+
+    def no_impl(*args):
+        raise LoweringError("no candidate can run M=4", where="nvgemm autotune")
+
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    monkeypatch.setattr(op_mod, "_gpu_impl", no_impl)
+    a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+    with pytest.warns(NvGemmFallbackWarning, match="autotuning found no working implementation"):
+        got = fused_gemm_epilogue(a, b, ops, str(spec))
+    torch.testing.assert_close(got, torch.relu(a @ b + ops[0]), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,228 @@
+"""GPU tests of the fused op end to end: the autotuned implementation of
+``branchyard::fused_gemm_epilogue`` for every epilogue x (bf16, fp16) x a few
+shapes against the fp32 reference; the nvgemm pass on a GPT-2 block on CUDA;
+the winner database; the reference-path fallback for ineligible shapes; and
+the cuBLASLt / cuBLAS / Inductor candidates' numerics.
+
+Skipped without CUDA (tests/gpu/conftest.py). Tests that need our CuTeDSL
+kernel skip without it. To keep compile time bounded, the autotuner here
+offers one CuTeDSL config (128x128, the one tests/gpu/test_nvgemm_kernel.py
+compiles, so the in-process compile cache is shared) and no Inductor,
+except in the Inductor test.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from branchyard.lowering.nvgemm import NvGemmFallbackWarning, fused_gemm_epilogue, nvgemm
+from branchyard.lowering.nvgemm import autotune as at
+from branchyard.lowering.nvgemm import op as op_mod
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+
+CUDA = torch.cuda.is_available()
+if CUDA:
+    from branchyard.lowering.nvgemm.cutedsl_gemm import GemmConfig, cutedsl_available
+
+    CUTEDSL_OK, CUTEDSL_WHY = cutedsl_available()
+else:
+    CUTEDSL_OK, CUTEDSL_WHY = False, "no CUDA device"
+needs_cutedsl = pytest.mark.skipif(not CUTEDSL_OK, reason=f"CuTeDSL unavailable: {CUTEDSL_WHY}")
+
+OURS = "cutedsl:t128x128_c1x1_o1"
+TOL = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=3e-3, atol=3e-3)}
+
+CHAINS = [
+    "bias@0",
+    "bias@0;relu",
+    "bias@0;gelu_erf",
+    "bias@0;gelu_tanh",
+    "bias@0;silu",
+    "bias@0;sigmoid",
+    "bias@0;tanh",
+    "scale:0.5;residual@0",
+    "scale_col@0;residual@1",
+    "bias@0;gelu_tanh;residual@1",
+    "scale:0.125;bias@0;silu;residual@1",
+]
+# (M, N, K): a single row, M off every tile with a ragged N tile, a multi-tile square.
+SHAPES = [(1, 4096, 512), (333, 1000, 136), (512, 512, 1024)]
+
+
+def _candidates(problem: at.Problem) -> list[at.Candidate]:
+    """Default candidates, CuTeDSL limited to one config, no Inductor."""
+    rest = [c for c in at.default_candidates(problem, inductor=False) if not c.name.startswith("cutedsl:")]
+    if not CUTEDSL_OK:
+        return rest
+    ours = at.Candidate(OURS, functools.partial(at._cutedsl_build, config=GemmConfig(128, 128)))
+    return [ours] + rest
+
+
+@pytest.fixture
+def tuner(tmp_path):
+    t = at.Autotuner(_candidates, db=at.WinnerDB(tmp_path), progress=False)
+    at.set_autotuner(t)
+    op_mod.reset_fallback_warnings()
+    yield t
+    at.set_autotuner(None)
+
+
+def _inputs(text, dtype, m, n, k, layout="nk", seed=0):
+    spec = EpilogueSpec.parse(f"w={layout};{text};out={str(dtype).removeprefix('torch.')}")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, generator=g, device="cuda") / k**0.25).to(dtype)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.25).to(dtype)
+    b = w if layout == "nk" else w.t().contiguous()
+    ops = []
+    for st in spec.steps:
+        if st.op.operand == "col":
+            ops.append(torch.randn(n, generator=g, device="cuda").to(dtype))
+        elif st.op.operand == "matrix":
+            ops.append(torch.randn(m, n, generator=g, device="cuda").to(dtype))
+    return a, b, ops, spec
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("text", CHAINS)
+def test_every_epilogue_autotuned_matches_reference(tuner, text, dtype, shape):
+    m, n, k = shape
+    a, b, ops, spec = _inputs(text, dtype, m, n, k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NvGemmFallbackWarning)  # must take the GPU path
+        got = fused_gemm_epilogue(a, b, ops, str(spec))
+    torch.cuda.synchronize()
+    ref = reference_fused_gemm(a, b, ops, spec)
+    assert got.dtype == dtype and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+    (res,) = tuner.results.values()
+    assert OURS in res.timings, f"our kernel was excluded: {res.excluded.get(OURS)}"
+    assert res.winner in res.timings
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_both_weight_layouts(tuner, layout):
+    a, b, ops, spec = _inputs("bias@0;gelu_erf;residual@1", torch.bfloat16, 256, 512, 256, layout=layout)
+    got = fused_gemm_epilogue(a, b, ops, str(spec))
+    torch.testing.assert_close(got.float(), reference_fused_gemm(a, b, ops, spec).float(), **TOL[torch.bfloat16])
+    (res,) = tuner.results.values()
+    assert f"b:{layout}" in res.key and OURS in res.timings
+
+
+class Block(nn.Module):
+    def __init__(self, d=256, h=1024):
+        super().__init__()
+        self.fc = nn.Linear(d, h)
+        self.proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+@needs_cutedsl
+def test_pass_on_a_cuda_gpt2_block(tuner):
+    model = Block().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    ep = torch.export.export(model, (x,))
+    fused = nvgemm(ep)
+    specs = [n.args[3] for n in fused.graph.nodes if n.op == "call_function" and "fused_gemm" in str(n.target)]
+    assert specs == ["w=nk;bias@0;gelu_tanh;out=bfloat16", "w=nk;bias@0;residual@1;out=bfloat16"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NvGemmFallbackWarning)
+        got = fused.module()(x)
+    with torch.no_grad():
+        want = model.float()(x.float())
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    assert len(tuner.results) == 2
+
+
+def test_ineligible_shape_runs_reference_and_says_why_once(tuner):
+    a, b, ops, spec = _inputs("bias@0;relu", torch.bfloat16, 64, 64, 12)  # K=12: not a multiple of 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got1 = fused_gemm_epilogue(a, b, ops, str(spec))
+        fused_gemm_epilogue(a, b, ops, str(spec))
+    mine = [w for w in caught if issubclass(w.category, NvGemmFallbackWarning)]
+    assert len(mine) == 1
+    reason = str(mine[0].message)
+    assert "K=12 is not a multiple of 8" in reason or "nvidia-cutlass-dsl is unavailable" in reason
+    torch.testing.assert_close(got1.float(), reference_fused_gemm(a, b, ops, spec).float())
+    assert tuner.results == {}, "the reference path must not autotune"
+
+
+@needs_cutedsl
+def test_misaligned_pointer_falls_back(tuner):
+    a, b, ops, spec = _inputs("bias@0;silu", torch.float16, 64, 64, 64)
+    bias = torch.empty(65, dtype=torch.float16, device="cuda")[1:]
+    bias.copy_(ops[0])
+    with pytest.warns(NvGemmFallbackWarning, match="operand 0 pointer is not 16-byte aligned"):
+        got = fused_gemm_epilogue(a, b, [bias], str(spec))
+    torch.testing.assert_close(got.float(), reference_fused_gemm(a, b, ops, spec).float(), **TOL[torch.float16])
+
+
+@needs_cutedsl
+def test_winner_database_is_reused_by_a_new_process(tmp_path):
+    a, b, ops, spec = _inputs("bias@0;gelu_erf", torch.bfloat16, 128, 256, 256)
+    first = at.Autotuner(_candidates, db=at.WinnerDB(tmp_path), progress=False)
+    first.select(a, b.t(), ops, spec)
+
+    def no_timing(name, fn):
+        raise AssertionError(f"{name} was timed again")
+
+    second = at.Autotuner(_candidates, db=at.WinnerDB(tmp_path), progress=False, timer=no_timing)
+    impl = second.select(a, b.t(), ops, spec)
+    out = torch.empty(128, 256, dtype=torch.bfloat16, device="cuda")
+    got = impl(a, b.t(), ops, out)
+    torch.testing.assert_close(got.float(), reference_fused_gemm(a, b, ops, spec).float(), **TOL[torch.bfloat16])
+    (res,) = second.results.values()
+    assert res.from_cache and f"gpu={torch.cuda.get_device_name()}" in res.key
+
+
+@pytest.mark.parametrize("text", ["bias@0;relu", "bias@0;gelu_tanh"])
+def test_cublaslt_candidate_is_exact_for_its_chains(tmp_path, text):
+    """cuBLASLt's GELU epilogue is the tanh form: it must pass the numerics
+    check for gelu_tanh (and would fail a swapped gelu_erf at fp32)."""
+    a, b, ops, spec = _inputs(text, torch.bfloat16, 256, 512, 256)
+    tuner = at.Autotuner(
+        lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cublaslt:_addmm_activation"],
+        db=at.WinnerDB(tmp_path), progress=False)
+    res = tuner.tune(a, b.t(), ops, spec)
+    assert res.winner == "cublaslt:_addmm_activation", res.excluded
+
+
+def test_cublaslt_gelu_is_the_tanh_form_not_erf():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 128, generator=g, device="cuda")
+    b = torch.randn(128, 256, generator=g, device="cuda")
+    bias = torch.randn(256, generator=g, device="cuda")
+    got = torch._addmm_activation(bias, a, b, use_gelu=True)
+    y = a.double() @ b.double() + bias.double()
+    err_tanh = (got.double() - F.gelu(y, approximate="tanh")).abs().max().item()
+    err_erf = (got.double() - F.gelu(y)).abs().max().item()
+    assert err_tanh < err_erf, (err_tanh, err_erf)
+
+
+def test_addmm_candidate_for_scale_residual(tmp_path):
+    a, b, ops, spec = _inputs("scale:0.5;residual@0", torch.float16, 256, 512, 256)
+    tuner = at.Autotuner(
+        lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cublas:addmm"],
+        db=at.WinnerDB(tmp_path), progress=False)
+    assert tuner.tune(a, b.t(), ops, spec).winner == "cublas:addmm"
+
+
+def test_inductor_candidate_compiles_and_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "default")  # max-autotune takes minutes
+    a, b, ops, spec = _inputs("bias@0;gelu_erf;residual@1", torch.bfloat16, 128, 256, 256)
+    tuner = at.Autotuner(
+        lambda p: [c for c in at.default_candidates(p, inductor=True) if c.name == "triton:inductor"],
+        db=at.WinnerDB(tmp_path), progress=False)
+    res = tuner.tune(a, b.t(), ops, spec)
+    assert res.winner == "triton:inductor", res.excluded

@@ -78,6 +78,25 @@ def _suggest_range(cond: sympy.Basic, var: ShapeVar) -> str | None:
     return f"ShapeVar({var.name!r}, min={lo}, max={hi}{extra}) makes it always {best[2]}"
 
 
+def _python(expr: sympy.Basic) -> str:
+    """The condition as the Python a user wrote (``seq % 8 != 0``), not sympy's ``Ne(Mod(seq, 8), 0)``."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    try:
+        return PythonPrinter().doprint(expr)
+    except Exception:  # a printer gap must not hide the real error
+        return str(expr)
+
+
+def _mod_divisors(expr: sympy.Basic) -> list[int]:
+    """Constant divisors ``k`` of ``Mod(_, k)`` in a condition: a divisibility question."""
+    out = []
+    for atom in expr.atoms(sympy.Function, sympy.Mod):
+        if type(atom).__name__ in ("Mod", "PythonMod") and len(atom.args) == 2 and atom.args[1].is_Integer:
+            out.append(int(atom.args[1]))
+    return sorted(set(out))
+
+
 def explain(
     err: BaseException,
     dde: BaseException,
@@ -103,14 +122,19 @@ def explain(
     )
     message = f"Python control flow depends on {subject}"
     if readable is not None:
-        message += f": the condition `{readable}` cannot be decided while tracing"
+        message += f": the condition `{_python(readable)}` cannot be decided while tracing"
         if names:
             message += f" ({cond} in torch's symbols)"
     if frame is not None and frame.line:
         message += f", at `{frame.line.strip()}`"
     hints = ["a declared dim is an unbacked symbolic size, unknown while tracing; "
              "use torch.cond(pred, true_fn, false_fn, operands) to keep both branches in the graph"]
-    if len(involved) == 1 and readable is not None:
+    divisors = _mod_divisors(readable) if readable is not None else []
+    if len(involved) == 1 and divisors:
+        var = vars[involved[0]]
+        hints.append(f"or, if every {var.name} is a multiple of {divisors[0]}, declare it: "
+                     f"ShapeVar({var.name!r}, min={var.min}, max={var.max}, multiple_of={divisors[0]})")
+    elif len(involved) == 1 and readable is not None:
         suggestion = _suggest_range(readable, vars[involved[0]])
         hints.append(
             f"or narrow the range so the condition has one answer: {suggestion}"

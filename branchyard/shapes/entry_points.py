@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -483,6 +484,26 @@ def _insert_runtime_asserts(gm: torch.fx.GraphModule, inputs: SymbolicInputs) ->
 # -- compile --------------------------------------------------------------------------
 
 
+class _DropMetricsJsonError(logging.Filter):
+    """torch 2.14.1 logs an ERROR with a traceback on every compile whose spec
+    holds derived SymInts: its compile-metrics logger JSON-encodes the dynamo
+    config, spec included. The compile itself is fine; the noise is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unexpected exception logging compilation metrics")
+
+
+@contextlib.contextmanager
+def _quiet_metrics_logging() -> Iterator[None]:
+    log = logging.getLogger("torch._dynamo.metrics_context")
+    flt = _DropMetricsJsonError()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
+
+
 class SpecCompiled:
     """``torch.compile`` d callable that checks each call's inputs against the spec first.
 
@@ -504,7 +525,8 @@ class SpecCompiled:
         if self.validate:
             bind(self.spec, self.fn, args, kwargs)
         try:
-            return self.compiled(*args, **kwargs)
+            with _quiet_metrics_logging():
+                return self.compiled(*args, **kwargs)
         except Exception as err:
             if find_data_dependent_error(err) is None and "data-dependent" not in str(err):
                 raise

@@ -21,7 +21,7 @@
     >>> print(ShapesSpec.from_dynamic_shapes(ds, example_inputs={"x": torch.ones(8, 4), "y": torch.ones(7)}))
     argument  shape
     --------  -----------------------------
-    x         (seq, _)
+    x         (seq, 4)
     y         (seq - 1,)
     <BLANKLINE>
     ShapeVar  range
@@ -144,7 +144,8 @@ def to_dynamic_shapes(spec: ShapesSpec, fn: Any = None) -> dict[str, Any]:
         if e is None:
             return None
         if isinstance(e, TensorEntry):
-            return {i: dim(d, f"{where} dim {i}") for i, d in enumerate(e.dims) if isinstance(d, DimExpr)}
+            # ints stay: torch.export reads an int dim as "static, must equal"
+            return {i: dim(d, f"{where} dim {i}") for i, d in enumerate(e.dims) if d is not None}
         if isinstance(e, ScalarEntry):
             return dim(e.dim, where) if isinstance(e.dim, DimExpr) else None
         if isinstance(e, SeqEntry):

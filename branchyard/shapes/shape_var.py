@@ -49,7 +49,8 @@ class DimExpr:
 
     def __init__(self, expr: sympy.Expr, vars: Mapping[str, "ShapeVar"]):
         self.expr = sympy.expand(expr)
-        self.vars: dict[str, ShapeVar] = {s.name: vars[s.name] for s in self.expr.free_symbols}
+        # sorted: free_symbols is a set, and printing/JSON must not depend on hash order
+        self.vars: dict[str, ShapeVar] = {n: vars[n] for n in sorted(s.name for s in self.expr.free_symbols)}
 
     # -- arithmetic builds new expressions ----------------------------------------
     def _combine(self, other: Any, op: str, reflected: bool = False) -> "DimExpr":

@@ -290,3 +290,50 @@ def test_registered_as_nvgemm_and_no_op_reports_unchanged():
     gm = make_fx(lambda x: x.sin())(torch.randn(3))
     p = NvGemmPass()
     assert p(gm).modified is False and p.report.skips == []
+
+
+class MatmulModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 32))
+        self.b = nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w + self.b) * 2.0, torch.sigmoid(torch.matmul(x, self.w)).half()
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (2, 4, 16)], ids=["2d", "3d"])
+def test_exported_matmul_and_assert_metadata_nodes(shape):
+    """torch.export keeps ``@`` as aten.matmul and puts _assert_tensor_metadata
+    before a ``.to``: both must match, and the check goes with the chain."""
+    x = torch.randn(shape)
+    ep = torch.export.export(MatmulModule(), (x,))
+    assert aten._assert_tensor_metadata.default in targets(ep)
+    out = nvgemm(ep)
+    assert specs(out) == ["w=kn;bias@0;relu;scale:2.0;out=float32", "w=kn;sigmoid;cast:float16;out=float16"]
+    remaining = targets(out)
+    assert aten.matmul.default not in remaining and aten._assert_tensor_metadata.default not in remaining
+    for got, want in zip(out.module()(x), ep.module()(x)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+def test_batched_matmul_is_declined():
+    class Bmm(nn.Module):
+        def forward(self, x, w):
+            return torch.relu(torch.matmul(x, w))
+
+    ep = torch.export.export(Bmm(), (torch.randn(2, 4, 8), torch.randn(2, 8, 16)))
+    (chain,) = find_epilogue_chains(ep.graph_module)
+    assert chain.root.target is aten.matmul.default
+    assert not chain.fusable and "3-D right operand" in chain.reason
+
+
+def test_find_epilogue_chains_marks_overlapping_claims():
+    def f(x, w1, w2):
+        return torch.relu(x @ w1 + x @ w2)
+
+    gm = make_fx(f)(torch.randn(4, 8), torch.randn(8, 16), torch.randn(8, 16))
+    first, second = find_epilogue_chains(gm)
+    assert first.fusable and not second.fusable
+    assert "overlaps the chain of 'mm'" in second.reason

@@ -80,6 +80,8 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
             result = graph.call_function(aten.view.default, (fused, shape))
             result.meta["val"] = _fake_val(aten.view.default, (fused, shape))
     end.replace_all_uses_with(result)
+    for check in chain.checks:  # checks of intermediates that no longer exist
+        graph.erase_node(check)
     for node in reversed(chain.nodes):
         graph.erase_node(node)
     return fused

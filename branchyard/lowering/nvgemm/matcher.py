@@ -59,6 +59,10 @@ for _row in EPILOGUE_TABLE:
     for _t in _row.targets:
         _ROWS_BY_TARGET.setdefault(_t, []).append(_row)
 
+#: Users that only check a value (export inserts them before casts). They do
+#: not keep a chain value alive: the pass drops them with the chain.
+_CHECK_ONLY_USERS = (aten._assert_tensor_metadata.default,)
+
 #: The most steps one fused op carries (keeps specs, and kernels, bounded).
 MAX_STEPS = 8
 
@@ -95,6 +99,7 @@ class EpilogueChain:
     weight_layout: str = "kn"
     steps: list[tuple[EpilogueOp, Operand]] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
+    checks: list[Node] = field(default_factory=list)
     out_view: Node | None = None
     reason: str | None = None
     stop: str = ""
@@ -188,6 +193,15 @@ def _match_mm(node: Node) -> MatmulRoot | str:
     return MatmulRoot(node, a, b, "kn", [])
 
 
+def _match_matmul(node: Node) -> MatmulRoot | str:
+    a, b = node.args[:2]
+    if isinstance(b, Node) and isinstance(_val(b), torch.Tensor) and _val(b).dim() != 2:
+        return f"matmul with a {_val(b).dim()}-D right operand (only a 2-D weight is fused; bmm is not)"
+    if (why := _check_operands(node, a, b, "kn")) is not None:
+        return why
+    return MatmulRoot(node, a, b, "kn", [])
+
+
 def _match_addmm(node: Node) -> MatmulRoot | str:
     bias, a, b = node.args[:3]
     beta = node.kwargs.get("beta", node.args[3] if len(node.args) > 3 else 1)
@@ -222,6 +236,7 @@ def _match_linear(node: Node) -> MatmulRoot | str:
 #: The matmul roots, as data: ATen target -> guard-clause matcher.
 MATMUL_ROOTS = {
     aten.mm.default: _match_mm,
+    aten.matmul.default: _match_matmul,
     aten.addmm.default: _match_addmm,
     aten.linear.default: _match_linear,
 }
@@ -231,7 +246,7 @@ def match_matmul(node: Node) -> MatmulRoot | str:
     """Match ``node`` as a matmul root, or say why it is not one."""
     matcher = MATMUL_ROOTS.get(node.target)
     if matcher is None:
-        return f"{node.target} is not mm, addmm or linear"
+        return f"{node.target} is not mm, matmul, addmm or linear"
     if not isinstance(_val(node), torch.Tensor):
         return "no tensor metadata (node.meta['val']); lower an exported or make_fx-traced ATen graph"
     return matcher(node)
@@ -250,16 +265,24 @@ def _row_view(node: Node, x: Node) -> bool:
     return tout.shape[-1] == tin.shape[-1]
 
 
+def _users(x: Node) -> tuple[list[Node], list[Node]]:
+    """``x``'s users, split into real ones and check-only ones."""
+    real, checks = [], []
+    for u in x.users:
+        (checks if u.target in _CHECK_ONLY_USERS else real).append(u)
+    return real, checks
+
+
 def _match_decomposed_silu(x: Node) -> tuple[list[Node], Node] | None:
     """``x * sigmoid(x)`` (what decompositions make of ``silu``): x has exactly
     these two users. Returns the nodes consumed and the new chain value."""
-    users = list(x.users)
+    users, _ = _users(x)
     if len(users) != 2:
         return None
     sig = next((u for u in users if u.target is aten.sigmoid.default and u.args[0] is x), None)
-    if sig is None or len(sig.users) != 1:
+    if sig is None or len(_users(sig)[0]) != 1 or _users(sig)[1]:
         return None
-    mul = next(iter(sig.users))
+    mul = _users(sig)[0][0]
     if mul.target is not aten.mul.Tensor or set(mul.args[:2]) != {x, sig} or mul not in users:
         return None
     return [sig, mul], mul
@@ -273,17 +296,19 @@ def _walk(chain: EpilogueChain) -> None:
     """Extend ``chain`` forward from its root; fills ``steps``, ``nodes``, ``stop``."""
     x = chain.root
     pending_views: list[Node] = []
+    pending_checks: list[Node] = []
     while True:
         if len(chain.steps) >= MAX_STEPS:
             chain.stop = f"the chain reached the {MAX_STEPS}-step limit"
             break
-        users = list(x.users)
+        users, checks = _users(x)
         if len(users) > 1:
             silu = _match_decomposed_silu(x)
             if silu is not None:
                 consumed, x = silu
                 chain.nodes += pending_views + consumed
-                pending_views = []
+                chain.checks += pending_checks + checks
+                pending_views, pending_checks = [], []
                 chain.steps.append((EPILOGUE_OPS["silu"], None))
                 continue
             chain.stop = f"'{x.name}' has {len(users)} users; fusing past it would lose the value they need"
@@ -298,6 +323,7 @@ def _walk(chain: EpilogueChain) -> None:
             break
         if _row_view(u, x):
             pending_views.append(u)
+            pending_checks += checks
             x = u
             continue
         rows = _ROWS_BY_TARGET.get(u.target)
@@ -317,7 +343,8 @@ def _walk(chain: EpilogueChain) -> None:
             chain.near_miss = True
             break
         chain.nodes += pending_views + [u]
-        pending_views = []
+        chain.checks += pending_checks + checks
+        pending_views, pending_checks = [], []
         chain.steps.append((row, got))
         x = u
         if row.name == "cast" and _narrowing(got):
@@ -362,7 +389,15 @@ def find_epilogue_chains(gm: GraphModule) -> list[EpilogueChain]:
     chain value has a single user.
     """
     chains = []
+    claimed: dict[Node, Node] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in MATMUL_ROOTS:
-            chains.append(match_chain(node))
+            chain = match_chain(node)
+            if chain.fusable:
+                other = next((claimed[n] for n in chain.nodes if n in claimed), None)
+                if other is not None:
+                    chain.reason = f"its chain overlaps the chain of '{other.name}', which is fused first"
+                else:
+                    claimed.update((n, node) for n in chain.nodes)
+            chains.append(chain)
     return chains

@@ -10,8 +10,8 @@ Two loop bodies, both computing ``while i < n: i += 1; x = lerp(x, c, 0.5)`` ove
 
 ``minimal``  2 kernels: ``x = x + 0.5 (c - x)`` in place, then one thread does
              ``i += 1; set(h, i < n)`` -- the issue's reference body.
-``same``     the 6 nodes our lowering emits for that program, one for one:
-             ``j = i + 1``, ``y = lerp(x, c)``, memcpy ``i <- j``, memcpy ``x <- y``,
+``same``     the 5 kernel nodes our lowering emits for that program, one for one:
+             ``j = i + 1``, ``y = lerp(x, c)``, one copy kernel ``i <- j; x <- y``,
              ``p = i < n``, ``set(h, p)``.
 
 Run: ``python benchmarks/cuda_graph_reference.py`` (prints per-iteration times).
@@ -36,6 +36,11 @@ extern "C" __global__ void lerp_half(const float* x, const float* c, float* y, i
 extern "C" __global__ void lerp_half_inplace(float* x, const float* c, int n) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k < n) x[k] = c[k] - (c[k] - x[k]) * 0.5f;
+}
+extern "C" __global__ void copy2(long long* i, const long long* j, float* x, const float* y, int n) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k == 0) *i = *j;
+    for (; k < n; k += gridDim.x * blockDim.x) x[k] = y[k];
 }
 extern "C" __global__ void inc(const long long* i, long long* j) { *j = *i + 1; }
 extern "C" __global__ void less(const long long* i, const long long* n, bool* p) { *p = *i < *n; }
@@ -77,7 +82,7 @@ class ReferenceLoop:
         self.ctx = _ok(cu.cuCtxGetCurrent())
         self.module = _ok(cu.cuModuleLoadData(cubin))
         k = {name: _ok(cu.cuModuleGetFunction(self.module, name.encode())) for name in
-             ("lerp_half", "lerp_half_inplace", "inc", "less", "set_bool", "start", "step_and_set")}
+             ("lerp_half", "lerp_half_inplace", "copy2", "inc", "less", "set_bool", "start", "step_and_set")}
         self.x, self.c, self.n = x, c, n
         self.i = torch.zeros((), dtype=torch.int64, device=x.device)
         self.j = torch.zeros_like(self.i)
@@ -119,8 +124,8 @@ class ReferenceLoop:
         elif body == "same":
             launch(b, k["inc"], 1, 1, (self.i.data_ptr(), self.j.data_ptr()), (PTR, PTR))
             launch(b, k["lerp_half"], blocks, 256, (x.data_ptr(), c.data_ptr(), self.y.data_ptr(), numel), (PTR, PTR, PTR, I32))
-            _ok(cu.cuMemcpyDtoDAsync(self.i.data_ptr(), self.j.data_ptr(), 8, b))
-            _ok(cu.cuMemcpyDtoDAsync(x.data_ptr(), self.y.data_ptr(), numel * 4, b))
+            launch(b, k["copy2"], blocks, 256, (self.i.data_ptr(), self.j.data_ptr(), x.data_ptr(), self.y.data_ptr(), numel),
+                   (PTR, PTR, PTR, PTR, I32))
             launch(b, k["less"], 1, 1, (self.i.data_ptr(), n.data_ptr(), self.p.data_ptr()), (PTR, PTR, PTR))
             launch(b, k["set_bool"], 1, 1, (int(h), self.p.data_ptr()), (U64, PTR))
         else:

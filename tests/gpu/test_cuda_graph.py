@@ -120,8 +120,10 @@ def test_cond_inside_while_one_node_and_two_nodes_agree():
     one = lower(ep, (x, scalar(5)), if_else="one_node")
     two = lower(ep, (x, scalar(5)), if_else="two_nodes")
     assert one.conditional_nodes["IF"] == 1 and two.conditional_nodes["IF"] == 2
-    # in one node the IF holds both bodies; two nodes means one more top-level body graph
-    assert len(two.graph_nodes.bodies[0].bodies) == len(one.graph_nodes.bodies[0].bodies) + 1
+    # the loop body holds one IF node with two bodies, or two IF nodes with one body each
+    one_body, two_body = one.graph_nodes.bodies[0], two.graph_nodes.bodies[0]
+    assert one_body.by_type["CONDITIONAL"] == 1 and two_body.by_type["CONDITIONAL"] == 2
+    assert len(one_body.bodies) == len(two_body.bodies) == 2
     check(one, ep.module(), cases)
     check(two, ep.module(), cases)
 

@@ -355,9 +355,9 @@ class CudaGraphModule(torch.nn.Module):
 
     # -- calls ----------------------------------------------------------------------------
     def forward(self, *args: Any) -> Any:
-        flat = list(pytree.tree_leaves(args))
         if not self.lowered:
             return self.gm(*args)
+        flat = args if all(isinstance(a, torch.Tensor) for a in args) else list(pytree.tree_leaves(args))
         if len(flat) != len(self._static_inputs):
             raise LoweringError(f"expected {len(self._static_inputs)} inputs, got {len(flat)}", where="CudaGraphModule call")
         for i, (buf, x) in enumerate(zip(self._static_inputs, flat)):
@@ -378,6 +378,8 @@ class CudaGraphModule(torch.nn.Module):
         self._graph.replay()
         if not self.clone_outputs:
             return self._outputs
+        if isinstance(self._outputs, tuple) and all(isinstance(t, torch.Tensor) for t in self._outputs):
+            return tuple(t.clone() for t in self._outputs)
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._outputs)
 
     def iterations_exhausted(self) -> bool:

@@ -21,7 +21,8 @@ Semantics of the set kernels, as Python (``n`` = number of SWITCH bodies)::
     set_bool(h, p):          h = 1 if p else 0
     set_if_pair(h1, h2, p):  h1, h2 = (1, 0) if p else (0, 1)   # IF + IF lowering of if/else
     set_index(h, i, n):      h = min(max(i, 0), n - 1)          # torch.ops.higher_order.switch clamps
-    set_eq(h, i, n, k):      h = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
+    set_onehot(hs, i, n):    hs[k] = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
+    copy4(pairs):            dst[:] = src[:] for up to 4 dense (dst, src) pairs, one kernel node
 
 Nothing here is imported before it is needed: ``branchyard.lowering`` must
 import on a machine without CUDA or ``cuda-bindings``.
@@ -83,15 +84,50 @@ extern "C" __global__ void branchyard_set_index(cudaGraphConditionalHandle h, co
     cudaGraphSetConditional(h, (unsigned int)i);
 }
 
-extern "C" __global__ void branchyard_set_eq(cudaGraphConditionalHandle h, const long long* index, long long n,
-                                             long long k) {
+// Switch as a chain of IF nodes: handle k of this launch is set to (clamp(index) == base + k).
+extern "C" __global__ void branchyard_set_onehot(const long long* index, long long n, long long base, int count,
+                                                 cudaGraphConditionalHandle h0, cudaGraphConditionalHandle h1,
+                                                 cudaGraphConditionalHandle h2, cudaGraphConditionalHandle h3,
+                                                 cudaGraphConditionalHandle h4, cudaGraphConditionalHandle h5,
+                                                 cudaGraphConditionalHandle h6, cudaGraphConditionalHandle h7) {
+    cudaGraphConditionalHandle h[8] = {h0, h1, h2, h3, h4, h5, h6, h7};
     long long i = *index;
     i = i < 0 ? 0 : (i >= n ? n - 1 : i);
-    cudaGraphSetConditional(h, i == k ? 1u : 0u);
+    for (int k = 0; k < count; ++k) cudaGraphSetConditional(h[k], i == base + k ? 1u : 0u);
+}
+
+// Up to four dense byte copies in ONE kernel node: the loop-carry write-back costs one
+// node per trip instead of one memcpy node per carry.
+struct alignas(16) branchyard_v16 { unsigned long long a, b; };
+extern "C" __global__ void branchyard_copy4(int count,
+                                            char* d0, const char* s0, unsigned long long b0,
+                                            char* d1, const char* s1, unsigned long long b1,
+                                            char* d2, const char* s2, unsigned long long b2,
+                                            char* d3, const char* s3, unsigned long long b3) {
+    char* d[4] = {d0, d1, d2, d3};
+    const char* s[4] = {s0, s1, s2, s3};
+    unsigned long long b[4] = {b0, b1, b2, b3};
+    unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;
+    for (int k = 0; k < count; ++k) {
+        if ((((unsigned long long)d[k] | (unsigned long long)s[k] | b[k]) & 15ull) == 0) {
+            branchyard_v16* dv = (branchyard_v16*)d[k];
+            const branchyard_v16* sv = (const branchyard_v16*)s[k];
+            for (unsigned long long i = tid; i < b[k] / 16; i += stride) dv[i] = sv[i];
+        } else {
+            for (unsigned long long i = tid; i < b[k]; i += stride) d[k][i] = s[k][i];
+        }
+    }
 }
 """
 
-SET_KERNEL_NAMES = ("branchyard_set_bool", "branchyard_set_if_pair", "branchyard_set_index", "branchyard_set_eq")
+SET_KERNEL_NAMES = (
+    "branchyard_set_bool",
+    "branchyard_set_if_pair",
+    "branchyard_set_index",
+    "branchyard_set_onehot",
+    "branchyard_copy4",
+)
 
 
 def cuda_bindings_available() -> str | None:
@@ -237,10 +273,12 @@ class ConditionalBuilder:
             )
         return graph, deps, edges
 
-    def _launch(self, kernel: str, args: tuple, types: tuple) -> None:
+    def _launch(self, kernel: str, args: tuple, types: tuple, grid: int = 1, block: int = 1) -> None:
         self._keepalive.append(args)
         _check(
-            self._driver.cuLaunchKernel(self._kernels[kernel], 1, 1, 1, 1, 1, 1, 0, self._current_stream(), (args, types), 0),
+            self._driver.cuLaunchKernel(
+                self._kernels[kernel], grid, 1, 1, block, 1, 1, 0, self._current_stream(), (args, types), 0
+            ),
             f"cuLaunchKernel({kernel})",
         )
 
@@ -273,15 +311,36 @@ class ConditionalBuilder:
         )
         self._keepalive.append(index)
 
-    def set_from_index_eq(self, handle: Any, index: torch.Tensor, n: int, k: int) -> None:
-        """Capture a set kernel: ``handle = (clamp(index, 0, n - 1) == k)`` (switch as a chain of IFs)."""
+    def set_onehot(self, handles: list[Any], index: torch.Tensor) -> None:
+        """Capture set kernels: ``handles[k] = (clamp(index, 0, n - 1) == k)`` (switch as n IF nodes)."""
         self._check_scalar(index, torch.int64)
-        self._launch(
-            "branchyard_set_eq",
-            (int(handle), index.data_ptr(), n, k),
-            (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong),
-        )
+        n = len(handles)
+        types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int) + (ctypes.c_ulonglong,) * 8
+        for base in range(0, n, 8):
+            chunk = [int(h) for h in handles[base : base + 8]]
+            args = (index.data_ptr(), n, base, len(chunk), *chunk, *([0] * (8 - len(chunk))))
+            self._launch("branchyard_set_onehot", args, types)
         self._keepalive.append(index)
+
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``dst.copy_(src)`` for every pair, dense same-layout pairs four to a kernel node."""
+        dense, other = [], []
+        for dst, src in pairs:
+            same_layout = dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
+            (dense if same_layout and dst.is_contiguous() and dst.is_cuda and src.is_cuda else other).append((dst, src))
+        for dst, src in other:
+            dst.copy_(src)
+        types = (ctypes.c_int,) + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong) * 4
+        for base in range(0, len(dense), 4):
+            chunk = dense[base : base + 4]
+            flat: list[int] = []
+            for dst, src in chunk:
+                flat += [dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()]
+            flat += [0, 0, 0] * (4 - len(chunk))
+            largest = max(dst.numel() * dst.element_size() for dst, _ in chunk)
+            blocks = max(1, min(1024, (largest // 16 + 255) // 256))
+            self._launch("branchyard_copy4", (len(chunk), *flat), types, grid=blocks, block=256)
+            self._keepalive.append(chunk)
 
     def add_node(self, kind: CondKind, handle: Any, size: int) -> list[Any]:
         """Append a conditional node after everything captured so far; return its body graphs."""

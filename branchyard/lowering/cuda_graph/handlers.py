@@ -7,7 +7,7 @@ ones while warming up) and how it is *captured* into a conditional node::
 
     while_loop(cond_fn, body_fn, carried, additional)
         evaluate: check carries and predicate; run cond_fn, body_fn, cond_fn once
-        capture:  set(h, cond_fn(*bufs)); WHILE(h) { bufs = body_fn(*bufs); set(h, cond_fn(*bufs)) }
+        capture:  set(h, cond_fn(*bufs)); WHILE(h) { bufs <- body_fn(*bufs) (one copy kernel); set(h, cond_fn(*bufs)) }
     cond(pred, true_fn, false_fn, operands)
         evaluate: check predicate; run both branches; branch outputs must agree
         capture:  set(h, pred); IF/ELSE(h) { outs = true_fn(...) } { outs = false_fn(...) }
@@ -220,9 +220,7 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
             if _aliases(o, others):
                 outs[i] = o.clone()
         interp.keep(outs)
-        for buf, o in zip(bufs, outs):
-            if not (o.data_ptr() == buf.data_ptr() and o.stride() == buf.stride()):
-                buf.copy_(o)
+        b.copy_many([(buf, o) for buf, o in zip(bufs, outs) if not (o.data_ptr() == buf.data_ptr() and o.stride() == buf.stride())])
         if count is not None:
             count.add_(1)
         b.set_from_bool((handle,), predicate())
@@ -248,8 +246,7 @@ def _cond_evaluate(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, f
 
 def _fill(interp: "ControlFlowInterpreter", fn: Any, operands: tuple, outs: list[torch.Tensor], label: str) -> None:
     results = interp.subgraph(fn, operands, label)
-    for out, r in zip(outs, results):
-        out.copy_(r)
+    interp.ctx.builder.copy_many(list(zip(outs, results)))
 
 
 def _cond_capture(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, false_fn, operands) -> tuple:
@@ -307,8 +304,7 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
     if ctx.switch_as_ifs:
         # How XLA lowers an n-way case: n IF nodes, each testing index == k (kept for comparison).
         handles = [b.new_handle() for _ in branches]
-        for k, h in enumerate(handles):
-            b.set_from_index_eq(h, idx, n, k)
+        b.set_onehot(handles, idx)
         for k, (h, fn) in enumerate(zip(handles, branches)):
             (body,) = b.add_node(CondKind.IF, h, 1)
             with b.capture_into(body):

@@ -403,3 +403,19 @@ def test_dict_and_varargs_entries_in_export_and_make_fx():
     assert len(ep.range_constraints) == 1
     gm = shapes.make_fx(f, spec=spec)(*args)
     assert len(input_symbols(gm)) == 1
+
+
+def test_sizes_zero_and_one_do_not_specialise_or_recompile():
+    n = ShapeVar("n", min=0, max=16)
+
+    def f(x):
+        return x.sum(0) + x.shape[0]
+
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(f, spec={"x": (n, 3)}, backend=counter)
+    for size in (0, 1, 2, 7):
+        torch.testing.assert_close(compiled(torch.ones(size, 3)), torch.full((3,), 2.0 * size))
+    assert counter.frame_count == 1
+    gm = shapes.make_fx(f, spec={"x": (n, 3)})(torch.ones(1, 3))  # traced at size 1, still symbolic
+    assert len(input_symbols(gm)) == 1
+    torch.testing.assert_close(gm(torch.ones(0, 3)), torch.zeros(3))

@@ -337,3 +337,21 @@ def test_find_epilogue_chains_marks_overlapping_claims():
     first, second = find_epilogue_chains(gm)
     assert first.fusable and not second.fusable
     assert "overlaps the chain of 'mm'" in second.reason
+
+
+def test_division_by_a_scalar_is_a_scale_and_other_divisions_are_not():
+    args = (torch.randn(4, 8), torch.randn(8, 16))
+    gm = make_fx(lambda x, w: torch.tanh((x @ w) / 4.0))(*args)
+    out = nvgemm(gm)
+    assert specs(out) == ["w=kn;scale:0.25;tanh;out=float32"]
+    torch.testing.assert_close(out(*args), gm(*args))
+    class RDiv(nn.Module):
+        def forward(self, x, w):
+            return torch.tanh(torch.div(torch.full_like(x @ w, 2.0), x @ w))
+
+    ep = torch.export.export(RDiv(), args)
+    reasons = " ".join(c.reason or "" for c in find_epilogue_chains(ep.graph_module))
+    assert "the chain value is the divisor" in reasons
+    gm = make_fx(lambda x, w: torch.div(x @ w, 3.0, rounding_mode="floor"))(*args)
+    (chain,) = find_epilogue_chains(gm)
+    assert not chain.fusable

@@ -163,7 +163,22 @@ def _match_matrix(node: Node, x: Node) -> Node | str:
     return _tensor_operand(node, x, "matrix")
 
 
+_DIV = (aten.div.Tensor, aten.div.Scalar)
+
+
 def _match_scalar(node: Node, x: Node) -> float | str:
+    if node.target in _DIV:
+        # x / c is the scale 1/c (within an ulp); c / x is not a scale at all.
+        if node.args[0] is not x:
+            return "the chain value is the divisor"
+        if node.kwargs.get("rounding_mode") is not None:
+            return f"division with rounding_mode={node.kwargs['rounding_mode']!r}"
+        c = node.args[1]
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            return f"divisor {getattr(c, 'name', c)!r} is not a Python scalar"
+        if c == 0 or not math.isfinite(1.0 / float(c)):
+            return f"divisor {c!r} has no finite reciprocal"
+        return 1.0 / float(c)
     other = _other_operand(node, x)
     if isinstance(other, str):
         return other
@@ -272,8 +287,8 @@ _MUL = (aten.mul.Tensor, aten.mul.Scalar)
 EPILOGUE_TABLE: tuple[EpilogueOp, ...] = (
     EpilogueOp("bias", _ADD, "col", _match_col,
                lambda x, v, m: x + v, lambda x, v: x + v, "x + bias[N]"),
-    EpilogueOp("scale", _MUL, "scalar", _match_scalar,
-               lambda x, c, m: x * c, lambda x, c: x * c, "x * c (Python float)"),
+    EpilogueOp("scale", _MUL + _DIV, "scalar", _match_scalar,
+               lambda x, c, m: x * c, lambda x, c: x * c, "x * c, or x / (1/c) (c a Python float)"),
     EpilogueOp("scale_col", _MUL, "col", _match_col,
                lambda x, v, m: x * v, lambda x, v: x * v, "x * scale[N]"),
     EpilogueOp("residual", _ADD, "matrix", _match_matrix,

@@ -264,3 +264,18 @@ def test_op_falls_back_when_no_candidate_works(monkeypatch):
     with pytest.warns(NvGemmFallbackWarning, match="autotuning found no working implementation"):
         got = fused_gemm_epilogue(a, b, ops, str(spec))
     torch.testing.assert_close(got, torch.relu(a @ b + ops[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_backward_matches_eager_and_compile_with_trainable_params():
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 5, 16)
+    fused = nvgemm(torch.export.export(model, (x,))).module()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    fused(xa).square().sum().backward()
+    model(xb).square().sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4)
+    for (name, p), q in zip(fused.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,10 @@ Semantics (``spec`` parsed by :meth:`EpilogueSpec.parse`)::
 operands ``M * N`` elements in row-major order of the output. The op is a
 ``torch.library.custom_op`` with a fake implementation, so programs that
 contain it still export, save/load (importing branchyard registers it) and
-trace with ``make_fx``. It is inference-only (no autograd formula).
+trace with ``make_fx``. It is made for inference; its backward (so that
+training and ``torch.compile`` with parameters that require grad still work)
+recomputes the chain on the reference path and differentiates that: correct,
+not fused.
 
 Where it runs:
 
@@ -228,3 +231,27 @@ def _fused_gemm_epilogue_fake(a, b, operands, spec):
     s = parse_spec(spec)
     n = b.shape[1] if s.weight_layout == "kn" else b.shape[0]
     return a.new_empty((*a.shape[:-1], n), dtype=s.out_dtype)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a, b, operands, spec = inputs
+    ctx.save_for_backward(a, b, *operands)
+    ctx.spec = spec
+
+
+def _backward(ctx, grad):
+    # Recompute the chain on the reference path and differentiate it: the
+    # backward is rare (this is an inference lowering) and must not diverge
+    # from the forward's semantics.
+    a, b, *operands = ctx.saved_tensors
+    spec = parse_spec(ctx.spec)
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in (a, b, *operands)]
+        out = reference_fused_gemm(leaves[0], leaves[1], leaves[2:], spec)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype), allow_unused=True))
+        grads = [next(got) if t.requires_grad else None for t in leaves]
+    return grads[0], grads[1], list(grads[2:]), None
+
+
+fused_gemm_epilogue.register_autograd(_backward, setup_context=_setup_context)

@@ -245,7 +245,10 @@ def build_kernel_class() -> type:
                     ring.consumer_release(release)
                     release.advance()
                 read.advance()
-                if warp_idx == 0 and produce.count < k_tiles:
+                # Refill only the stage released just above: producing before the
+                # first release would make warp 0 wait on an empty barrier that
+                # needs its own (not yet sent) consumer arrival -- a deadlock.
+                if warp_idx == 0 and kt > 0 and produce.count < k_tiles:
                     self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
                     produce.advance()
             cute.nvgpu.warpgroup.wait_group(0)
@@ -259,7 +262,9 @@ def build_kernel_class() -> type:
 
             # ---- epilogue in registers
             if cutlass.const_expr(len(self.steps) > 0):
-                coords = thr_mma.partition_C(
+                # Per-thread slice: thr_mma (sliced per warpgroup, as wgmma wants for A/B)
+                # would give every thread the coordinates of its warpgroup's thread 0.
+                coords = tiled_mma.get_slice(tidx).partition_C(
                     cute.local_tile(cute.make_identity_tensor(mC.shape), self.tile_mnk, tile_coord, proj=(1, 1, None))
                 )
                 self._apply_steps(acc, coords, operands, mC.shape[0] - 1, mC.shape[1] - 1)

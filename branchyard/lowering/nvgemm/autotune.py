@@ -633,6 +633,7 @@ class Autotuner:
         self.progress = progress if progress is not None else os.environ.get("BRANCHYARD_NVGEMM_PROGRESS", "1") != "0"
         self.stream = stream
         self._impls: dict[tuple, Impl] = {}
+        self._exact: dict[tuple, Impl] = {}
         self._lock = threading.RLock()
         #: Every tuning result of this process, by key (the benchmark reads it).
         self.results: dict[str, TuneResult] = {}
@@ -651,17 +652,32 @@ class Autotuner:
             b_kn.stride(0) == 1, tuple((t.dtype, t.dim(), t.stride(-1) == 1) for t in operands), a.device,
         )
 
-    def select(self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec) -> Impl:
-        """The implementation to run for this call (tuning it on first sight)."""
-        fast = self._fast_key(a, b_kn, operands, spec)
-        impl = self._impls.get(fast)
+    def select(
+        self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,
+        spec_text: str | None = None,
+    ) -> Impl:
+        """The implementation to run for this call (tuning it on first sight).
+
+        Two in-memory levels keep the per-call cost low: the exact shapes and
+        strides of this call (a few tuple compares), then the problem's
+        bucket key; only a miss on both consults the database or tunes.
+        """
+        exact = (spec_text or str(spec), a.shape, a.stride(), b_kn.shape, b_kn.stride(), a.dtype, a.device,
+                 *[(t.dtype, t.shape, t.stride()) for t in operands])
+        impl = self._exact.get(exact)
         if impl is not None:
             return impl
-        with self._lock:
-            impl = self._impls.get(fast)
-            if impl is None:
-                impl = self._select_slow(a, b_kn, operands, spec)
-                self._impls[fast] = impl
+        fast = self._fast_key(a, b_kn, operands, spec)
+        impl = self._impls.get(fast)
+        if impl is None:
+            with self._lock:
+                impl = self._impls.get(fast)
+                if impl is None:
+                    impl = self._select_slow(a, b_kn, operands, spec)
+                    self._impls[fast] = impl
+        if len(self._exact) > 4096:  # many distinct M (serving): start over, the bucket level remains
+            self._exact.clear()
+        self._exact[exact] = impl
         return impl
 
     def _select_slow(self, a, b_kn, operands, spec) -> Impl:
@@ -687,6 +703,7 @@ class Autotuner:
         with self._lock:
             result = self._tune(problem, key, self.candidates(problem), a, b_kn, operands)
             self._impls[self._fast_key(a, b_kn, operands, spec)] = result.impl  # type: ignore[assignment]
+            self._exact.clear()
         return result
 
     def _tune(self, problem, key, cands, a, b_kn, operands) -> TuneResult:
@@ -764,6 +781,10 @@ def set_autotuner(tuner: Autotuner | None) -> None:
         _default = tuner
 
 
-def select(a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec) -> Impl:
+def select(
+    a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,
+    spec_text: str | None = None,
+) -> Impl:
     """The implementation the process-wide autotuner picks for this call."""
-    return get_autotuner().select(a, b_kn, operands, spec)
+    tuner = _default if _default is not None else get_autotuner()
+    return tuner.select(a, b_kn, operands, spec, spec_text)

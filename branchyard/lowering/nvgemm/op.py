@@ -190,10 +190,10 @@ def fused_kernel_ineligibility(
 
 # --- the op -------------------------------------------------------------------
 
-def _gpu_impl(a2d, b_kn, operands, spec) -> Callable:
+def _gpu_impl(a2d, b_kn, operands, spec, spec_text=None) -> Callable:
     from branchyard.lowering.nvgemm import autotune
 
-    return autotune.select(a2d, b_kn, operands, spec)
+    return autotune.select(a2d, b_kn, operands, spec, spec_text)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -217,7 +217,7 @@ def fused_gemm_epilogue(
         if st.op.operand in ("col", "matrix")
     ]
     try:
-        impl = _gpu_impl(a2d, b_kn, ops2d, s)
+        impl = _gpu_impl(a2d, b_kn, ops2d, s, spec)
     except LoweringError as exc:  # every candidate failed to build or to match the reference
         _say_once(f"autotuning found no working implementation: {exc}")
         return reference_fused_gemm(a, b, operands, s)

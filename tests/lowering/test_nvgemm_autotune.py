@@ -345,3 +345,28 @@ def test_max_configs_env_limits_cutedsl_candidates(monkeypatch):
     assert len(at._cutedsl_candidates(problem)) > 1
     monkeypatch.setenv("BRANCHYARD_NVGEMM_MAX_CONFIGS", "1")
     assert [c.name for c in at._cutedsl_candidates(problem)] == ["cutedsl:t128x256_c1x1_o1"]
+
+
+def test_cutlass_plain_candidate_adds_the_epilogue_after_the_plain_gemm(monkeypatch):
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("branchyard.lowering.nvgemm.cutlass_operators")
+    fake.plain_gemm_available = lambda: (True, "")
+
+    def compile_plain(dtype, b_layout):
+        calls.append((dtype, b_layout))
+        return lambda a, b_kn, out: torch.mm(a, b_kn, out=out)
+
+    fake.compile_plain_gemm = compile_plain
+    monkeypatch.setitem(sys.modules, "branchyard.lowering.nvgemm.cutlass_operators", fake)
+    monkeypatch.setattr(sys.modules["branchyard.lowering.nvgemm"], "cutlass_operators", fake, raising=False)
+    a, w, ops = torch.randn(8, 32), torch.randn(16, 32), [torch.randn(16)]
+    problem = Problem.of(a, w.t(), ops, SPEC)
+    (cand,) = at._cutlass_plain_candidates(problem)
+    got = cand.build(problem)(a, w.t(), ops, torch.empty(8, 16))
+    torch.testing.assert_close(got, torch.relu(a @ w.t() + ops[0]))
+    assert calls == [(torch.float32, "nk")]
+    fake.plain_gemm_available = lambda: (False, "no sm90")
+    assert at._cutlass_plain_candidates(problem) == []

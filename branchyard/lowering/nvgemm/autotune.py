@@ -550,15 +550,40 @@ def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
 
 
 def _cutlass_plain_candidates(problem: Problem) -> list[Candidate]:
+    """The cutlass-operators plain GEMM followed by the chain as ATen ops.
+
+    Uses ``branchyard.lowering.nvgemm.cutlass_operators`` when present:
+    ``plain_gemm_available() -> (ok, reason)`` and
+    ``compile_plain_gemm(dtype, b_layout) -> fn(a, b_kn, out)`` (out in the
+    input dtype), raising :class:`LoweringError` when it cannot.
+    """
     try:
         from branchyard.lowering.nvgemm import cutlass_operators
     except Exception as exc:  # module absent or its package missing
         logger.info("nvgemm: no cutlass-operators candidate: %s", exc)
         return []
-    build = getattr(cutlass_operators, "build_plain_gemm_candidate", None)
-    if build is None:
+    available = getattr(cutlass_operators, "plain_gemm_available", None)
+    compile_plain = getattr(cutlass_operators, "compile_plain_gemm", None)
+    if available is None or compile_plain is None:
+        logger.info("nvgemm: cutlass_operators has no plain_gemm_available/compile_plain_gemm")
         return []
-    return [Candidate("cutlass_plain+epilogue", build)]
+    ok, why = available()
+    if not ok:
+        logger.info("nvgemm: no cutlass-operators candidate: %s", why)
+        return []
+    return [Candidate("cutlass_plain+epilogue", functools.partial(_cutlass_plain_build, compile_plain=compile_plain))]
+
+
+def _cutlass_plain_build(problem: Problem, compile_plain: Callable[..., Any]) -> Impl:
+    gemm = compile_plain(problem.dtype, problem.b_layout)
+    spec = problem.spec
+
+    def impl(a, b_kn, operands, out):
+        y = torch.empty((a.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
+        gemm(a, b_kn, y)
+        return unfused_aten_epilogue(y, spec, list(operands))
+
+    return impl
 
 
 def default_candidates(problem: Problem, *, inductor: bool | None = None) -> list[Candidate]:

@@ -55,7 +55,9 @@ from branchyard.passes.control_flow import (
     AttrSink,
     emit,
     erase_dead_inputs,
+    gc_paused,
     inline_graph,
+    new_graph_module,
     is_cond,
     node_value,
 )
@@ -114,6 +116,9 @@ def _general_index(plan: _Plan, hoist: _Hoister, like: Node) -> Any:
         if not isinstance(t, Node) and not isinstance(f, Node) and t == f:
             return t
         pred = hoist(cond.parts.pred, cond.home)
+        if node_value(pred).dtype != torch.bool:
+            # cond takes any single-element tensor by truthiness; where wants bool.
+            pred = emit(graph, aten.ne.Scalar, (pred, 0), like=like)
         return emit(graph, _WHERE[(isinstance(t, Node), isinstance(f, Node))], (pred, t, f), like=like)
 
     return index_of(plan.root)
@@ -150,7 +155,7 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
         if len(branch_leaves) == 1:
             # Every leaf computes the same function: no choice left to make.
             leaf = plan.leaf_graphs[branch_leaves[0]]
-            gm = GraphModule(plan.sinks[branch_leaves[0]].attrs, leaf)
+            gm = new_graph_module(plan.sinks[branch_leaves[0]].attrs, leaf)
             outs = inline_graph(graph, gm, plan.operands, sink)
             result: Any = None
             for user in list(root.users):
@@ -164,7 +169,7 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
                 index = _general_index(plan, hoist, root)
             attrs = []
             for b, leaf_i in enumerate(branch_leaves):
-                gm = GraphModule(plan.sinks[leaf_i].attrs, plan.leaf_graphs[leaf_i])
+                gm = new_graph_module(plan.sinks[leaf_i].attrs, plan.leaf_graphs[leaf_i])
                 name = sink.add(f"{root.name}_branch{b}", gm)
                 attrs.append(graph.get_attr(name))
             result = graph.call_function(switch_op(), (index, attrs, tuple(plan.operands)))
@@ -190,7 +195,8 @@ class CondToSwitch(BranchyardPass):
         for key in _STATS:
             self.report.stats[key] = 0
         switch_op()  # fail early and clearly on a torch without switch
-        return self._process(graph_module, set())
+        with gc_paused():
+            return self._process(graph_module, set())
 
     def _process(self, gm: GraphModule, seen: set[int]) -> bool:
         if id(gm) in seen:
@@ -256,7 +262,16 @@ def cond_to_switch(program: Program) -> Program:
     >>> [gm(torch.tensor(i), torch.ones(2)).tolist() for i in (-1, 0, 1, 2)]
     [[0.0, 0.0], [2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
     """
+    _lint_program(program)
     return apply_pass(program, CondToSwitch())
+
+
+def _lint_program(program: Any) -> None:
+    """Lint before the function form copies the graph (a graph that fails
+    lint cannot even be deep-copied)."""
+    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+    if isinstance(gm, GraphModule):
+        lint_graph_module(gm)
 
 
 def _source_hash() -> str:

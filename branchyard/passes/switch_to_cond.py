@@ -51,7 +51,9 @@ from branchyard.passes.control_flow import (
     describe_node,
     emit,
     erase_dead_inputs,
+    gc_paused,
     inline_graph,
+    new_graph_module,
     is_switch,
     node_value,
     switch_parts,
@@ -119,11 +121,11 @@ class _Lowering:
         if hi - lo == 1:
             outs = inline_graph(g, self.parts.branches[lo], ops, sink)
             g.output(tuple(outs))
-            return GraphModule(sink.attrs, g)
+            return new_graph_module(sink.attrs, g)
         cond = self.emit_split(g, sink, idx, ops, lo, hi)
         outs = [self._getitem(g, cond, i) for i in range(len(self._out_vals()))]
         g.output(tuple(outs))
-        return GraphModule(sink.attrs, g)
+        return new_graph_module(sink.attrs, g)
 
     def _out_vals(self) -> list[Any]:
         val = self.out_meta.get("val", self.out_meta.get("example_value"))
@@ -160,7 +162,8 @@ class SwitchToCond(BranchyardPass):
     def run(self, graph_module: GraphModule) -> bool:
         lint_graph_module(graph_module)
         self.report.stats.update(switches_lowered=0, conds_created=0)
-        return self._process(graph_module, set())
+        with gc_paused():
+            return self._process(graph_module, set())
 
     def _process(self, gm: GraphModule, seen: set[int]) -> bool:
         if id(gm) in seen:
@@ -213,4 +216,7 @@ class SwitchToCond(BranchyardPass):
 def switch_to_cond(program: Program) -> Program:
     """Function form of :class:`SwitchToCond`: a lowered copy of ``program``
     (an ExportedProgram or a GraphModule; the result is of the same kind)."""
+    from branchyard.passes.cond_to_switch import _lint_program
+
+    _lint_program(program)
     return apply_pass(program, SwitchToCond())

@@ -1,0 +1,484 @@
+"""cond_to_switch: structure, semantics on every branch, index forms, skips, errors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from branchyard.errors import MalformedGraphError
+from branchyard.passes import CondToSwitch, cond_to_switch, find_cond_trees, get_pass
+from branchyard.passes.control_flow import is_cond, is_switch
+
+aten = torch.ops.aten
+cond = torch.cond
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def all_nodes(gm):
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            yield from m.graph.nodes
+
+
+def n_conds(gm) -> int:
+    return sum(is_cond(n) for n in all_nodes(gm))
+
+
+def switch_nodes(gm) -> list:
+    return [n for n in all_nodes(gm) if is_switch(n)]
+
+
+def targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def gm_of(p):
+    return p.graph_module if isinstance(p, torch.export.ExportedProgram) else p
+
+
+def run(p, *args):
+    fn = p.module() if isinstance(p, torch.export.ExportedProgram) else p
+    return fn(*args)
+
+
+def assert_same(before, after, inputs):
+    for args in inputs:
+        torch.testing.assert_close(run(after, *args), run(before, *args), msg=lambda m: f"{m}\ninputs {args}")
+
+
+def rewrite(p):
+    """Run the pass object once and return (program, pass) so tests can read the report."""
+    gm = copy.deepcopy(gm_of(p))
+    cts = CondToSwitch()
+    res = cts(gm)
+    return res, cts
+
+
+X = torch.tensor([0.5, -1.0, 2.0])
+Y = torch.tensor([1.5, 0.25, -0.75])
+
+
+# --------------------------------------------------------------------------- a two-sided tree
+
+
+class TwoSided(torch.nn.Module):
+    """p ? (q ? x + y : x - y) : (x.sum() > 0 ? x * y : x + y); the inner predicate lives in a branch."""
+
+    def forward(self, p, q, x, y):
+        def t(x, y, q):
+            return cond(q, lambda x, y: x + y, lambda x, y: x - y, (x, y))
+
+        def f(x, y, q):
+            return cond(x.sum() > 0, lambda x, y: x * y, lambda x, y: x + y, (x, y))
+
+        return cond(p, t, f, (x, y, q))
+
+
+def two_sided_inputs():
+    for p, q, s in itertools.product((True, False), (True, False), (1.0, -1.0)):
+        yield torch.tensor(p), torch.tensor(q), X.abs() * s, Y
+
+
+@pytest.fixture(scope="module")
+def two_sided_ep():
+    return torch.export.export(TwoSided(), (torch.tensor(True), torch.tensor(False), X, Y))
+
+
+def test_two_sided_tree_becomes_one_switch_with_deduplicated_leaves(two_sided_ep):
+    after = cond_to_switch(two_sided_ep)
+    gm = after.graph_module
+    assert n_conds(gm) == 0
+    (sw,) = switch_nodes(gm)
+    index, branches, operands = sw.args
+    assert len(branches) == 3  # 4 leaves; x + y appears twice
+    assert [o.name for o in operands] == ["x", "y"]  # q dropped: no leaf reads it
+    # the inner predicate was hoisted next to the switch
+    assert aten.sum.default in targets(gm) and aten.gt.Scalar in targets(gm)
+    assert_same(two_sided_ep, after, two_sided_inputs())
+
+
+def test_report_stats_and_modified_flag(two_sided_ep):
+    res, p = rewrite(two_sided_ep)
+    assert res.modified
+    assert p.report.stats["cond_trees"] == 1
+    assert p.report.stats["conds_removed"] == 3
+    assert p.report.stats["switches_created"] == 1
+    assert p.report.stats["leaves"] == 4
+    assert p.report.stats["branches_after_dedup"] == 3
+    assert p.report.stats["operands_before"] == 3 + 2 + 2
+    assert p.report.stats["operands_after"] == 2
+
+
+def test_find_cond_trees_reports_without_mutating(two_sided_ep):
+    gm = two_sided_ep.graph_module
+    code = gm.code
+    (tree,) = find_cond_trees(gm)
+    assert gm.code == code and n_conds(gm) == 3
+    assert (tree.depth, tree.num_leaves, tree.num_unique_leaves) == (2, 4, 3)
+    assert (tree.operands_before, tree.operands_after) == (7, 2)
+    assert tree.duplicated_operands == ["x", "y"]  # each passed to all three conds
+    assert not tree.is_dispatch_chain and tree.index_form == "general"
+    assert tree.root.name == "cond" and tree.owner is gm
+
+
+def test_idempotent_and_second_run_unmodified(two_sided_ep):
+    once = cond_to_switch(two_sided_ep)
+    res, _ = rewrite(once)
+    assert not res.modified
+    assert res.graph_module.code == once.graph_module.code
+
+
+def test_registered_for_the_cli():
+    assert isinstance(get_pass("cond_to_switch"), CondToSwitch)
+    assert CondToSwitch.name == "cond-to-switch"
+
+
+# --------------------------------------------------------------------------- dispatch chains
+
+
+def chain_fn(constants, op="eq", reflected=False, leaves=None):
+    """idx == k0 ? L0 : (idx == k1 ? L1 : ... : Lfall), built with make_fx.
+
+    op="ne" writes each test as ``idx != k`` with the leaf on the false side.
+    """
+    n = len(constants)
+    leaves = leaves or [(lambda j: (lambda x: x * (j + 2) + j))(j) for j in range(n + 1)]
+
+    def build(j, idx, x):
+        if j == n:
+            return leaves[n](x)
+        k = constants[j]
+        hit = (lambda j: lambda x, idx: leaves[j](x))(j)
+        rest = (lambda j: lambda x, idx: build(j + 1, idx, x))(j)
+        if op == "eq":
+            pred = (k == idx) if reflected else (idx == k)
+            return cond(pred, hit, rest, (x, idx))
+        pred = (k != idx) if reflected else (idx != k)
+        return cond(pred, rest, hit, (x, idx))
+
+    def reference(idx, x):
+        for j, k in enumerate(constants):
+            if idx == k:
+                return leaves[j](x)
+        return leaves[n](x)
+
+    return (lambda idx, x: build(0, idx, x)), reference
+
+
+def check_chain(fn, reference, idx_values, dtype=torch.int64):
+    gm = make_fx(fn)(torch.tensor(0, dtype=dtype), X)
+    (tree,) = find_cond_trees(gm)
+    after = cond_to_switch(gm)
+    assert n_conds(after) == 0 and len(switch_nodes(after)) == 1
+    for i in idx_values:
+        idx = torch.tensor(i, dtype=dtype)
+        torch.testing.assert_close(after(idx, X), reference(idx, X), msg=f"idx={i}")
+        torch.testing.assert_close(after(idx, X), gm(idx, X), msg=f"idx={i}")
+    return tree, after
+
+
+@pytest.mark.parametrize(
+    "constants, op, reflected",
+    [
+        ([0, 1, 2], "eq", False),
+        ([0, 1, 2], "eq", True),  # k == idx
+        ([0, 1, 2], "ne", False),  # idx != k ? rest : leaf
+        ([2, 0, 1], "eq", False),  # unordered
+        ([3, 4, 5], "eq", False),  # offset
+        ([-1, 0, 1], "eq", False),  # negative constants
+    ],
+)
+def test_dispatch_chain_uses_integer_index_with_range_fix(constants, op, reflected):
+    fn, ref = chain_fn(constants, op, reflected)
+    tree, after = check_chain(fn, ref, range(-4, 9))
+    assert tree.is_dispatch_chain and tree.index_form == "dispatch", tree.index_note
+    ts = targets(after)
+    # no n comparisons: just clamp + remainder (+ a subtraction for an offset)
+    assert aten.eq.Scalar not in ts and aten.ne.Scalar not in ts and aten.where.Scalar not in ts
+    assert ts.count(aten.clamp.default) == 1 and ts.count(aten.remainder.Scalar) == 1
+    assert (aten.sub.Scalar in ts) == (min(constants) != 0)
+    (sw,) = switch_nodes(after)
+    assert len(sw.args[1]) == len(constants) + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8])
+def test_dispatch_chain_on_narrow_int_dtypes_is_exhaustively_correct(dtype):
+    fn, ref = chain_fn([0, 1, 2])
+    info = torch.iinfo(dtype)
+    values = range(info.min, info.max + 1) if info.bits == 8 else [info.min, info.min + 1, -1, 0, 1, 2, 3, info.max]
+    tree, after = check_chain(fn, ref, values, dtype)
+    assert tree.index_form == "dispatch"
+    assert aten._to_copy.default in targets(after)  # widened before the range fix
+
+
+def test_dispatch_chain_int64_extremes():
+    fn, ref = chain_fn([5, 6, 7])
+    info = torch.iinfo(torch.int64)
+    check_chain(fn, ref, [info.min, info.min + 1, info.min + 5, -1, 4, 5, 6, 7, 8, info.max - 1, info.max])
+
+
+@pytest.mark.parametrize(
+    "constants, why",
+    [([0, 2, 5], "not contiguous"), ([0, 0, 1], "repeats")],
+)
+def test_dispatch_chain_falls_back_to_general_index_and_says_why(constants, why):
+    fn, ref = chain_fn(constants)
+    tree, _ = check_chain(fn, ref, range(-3, 8))
+    assert tree.is_dispatch_chain and tree.index_form == "general"
+    assert why in tree.index_note
+    _, p = rewrite(make_fx(fn)(torch.tensor(0), X))
+    assert any(why in s.reason for s in p.report.skips)
+    assert p.report.stats["general_index"] == 1 and p.report.stats["dispatch_index"] == 0
+
+
+def test_dispatch_chain_on_bool_index_uses_general_form():
+    fn, ref = chain_fn([0, 1])
+    tree, _ = check_chain(fn, ref, [False, True], torch.bool)
+    assert tree.index_form == "general" and "bool" in tree.index_note
+
+
+def test_dispatch_chain_on_float_index_uses_general_form():
+    fn, ref = chain_fn([0, 1, 2])
+    gm = make_fx(fn)(torch.tensor(0.0), X)
+    (tree,) = find_cond_trees(gm)
+    assert tree.index_form == "general" and "float" in tree.index_note
+    after = cond_to_switch(gm)
+    for v in [-1.0, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("nan"), float("inf")]:
+        idx = torch.tensor(v)
+        torch.testing.assert_close(after(idx, X), ref(idx, X), msg=f"idx={v}")
+
+
+def test_dispatch_chain_with_merged_leaves_remaps_index():
+    same = lambda x: x + 100.0  # noqa: E731
+    leaves = [lambda x: x * 2, same, lambda x: x - 3, same]  # leaf 1 == fall-through
+    fn, ref = chain_fn([0, 1, 2], leaves=leaves)
+    tree, after = check_chain(fn, ref, range(-3, 6))
+    assert tree.index_form == "general" and "merged" in tree.index_note
+    (sw,) = switch_nodes(after)
+    assert len(sw.args[1]) == 3
+
+
+def test_tree_that_is_not_a_chain_uses_general_form():
+    # idx == 0 ? (idx == 1 ? a : b) : c  -- the nested cond sits on the matching side
+    def f(idx, x):
+        inner = lambda x, idx: cond(idx == 1, lambda x: x + 1, lambda x: x * 3, (x,))  # noqa: E731
+        return cond(idx == 0, inner, lambda x, idx: x - 5, (x, idx))
+
+    gm = make_fx(f)(torch.tensor(0), X)
+    (tree,) = find_cond_trees(gm)
+    assert not tree.is_dispatch_chain
+    after = cond_to_switch(gm)
+    assert_same(gm, after, [(torch.tensor(i), X) for i in range(-2, 4)])
+
+
+# --------------------------------------------------------------------------- operand dedup, inlining
+
+
+def test_duplicate_and_unused_operands():
+    def f(p, q, x, y, z):
+        t = lambda a, b, c, q: cond(q, lambda a, b: a + b, lambda a, b: a * b, (a, b))  # noqa: E731
+        e = lambda a, b, c, q: a - 1  # noqa: E731
+        return cond(p, t, e, (x, x, z, q))  # x twice, z never read
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), X, Y, Y)
+    (tree,) = find_cond_trees(gm)
+    assert tree.duplicated_operands == ["x_1"]
+    after = cond_to_switch(gm)
+    (sw,) = switch_nodes(after)
+    assert [o.name for o in sw.args[2]] == ["x_1"]
+    assert_same(gm, after, [(torch.tensor(p), torch.tensor(q), X, Y, Y) for p in (True, False) for q in (True, False)])
+
+
+def test_branch_with_prefix_and_postfix_is_inlined_into_leaves():
+    def f(p, q, x):
+        def t(x, q):
+            y = x * 2  # prefix feeding the nested cond's operand
+            out = cond(q, lambda y: y.sin(), lambda y: y.cos(), (y,))
+            return out + 1  # postfix on its result
+
+        return cond(p, t, lambda x, q: x.exp(), (x, q))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), X)
+    after = cond_to_switch(gm)
+    assert n_conds(after) == 0
+    (sw,) = switch_nodes(after)
+    assert len(sw.args[1]) == 3
+    assert_same(gm, after, [(torch.tensor(p), torch.tensor(q), X) for p in (True, False) for q in (True, False)])
+
+
+def test_deep_tree_with_multiple_outputs():
+    def leaf(k):
+        return lambda x, y, p: (x + k, y * k)
+
+    def level(d):
+        if d == 0:
+            return leaf(0)
+        return lambda x, y, p: cond(p[d] > 0, leaf(d), level(d - 1), (x, y, p))
+
+    gm = make_fx(lambda p, x, y: level(4)(x, y, p))(torch.ones(5), X, Y)
+    (tree,) = find_cond_trees(gm)
+    assert (tree.depth, tree.num_leaves) == (4, 5)
+    after = cond_to_switch(gm)
+    assert n_conds(after) == 0 and len(switch_nodes(after)) == 1
+    inputs = [(torch.tensor(bits, dtype=torch.float32) * 2 - 1, X, Y) for bits in itertools.product((0, 1), repeat=5)]
+    assert_same(gm, after, inputs)
+
+
+def test_identical_leaves_everywhere_leave_no_switch():
+    def f(p, q, x):
+        return cond(p, lambda x, q: cond(q, lambda x: x + 1, lambda x: x + 1, (x,)), lambda x, q: x + 1, (x, q))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), X)
+    res, p = rewrite(gm)
+    assert res.modified and n_conds(res.graph_module) == 0 and not switch_nodes(res.graph_module)
+    assert p.report.stats["switches_created"] == 0
+    assert_same(gm, res.graph_module, [(torch.tensor(a), torch.tensor(b), X) for a in (True, False) for b in (True, False)])
+
+
+# --------------------------------------------------------------------------- what is left alone, and why
+
+
+def test_graph_without_cond_is_unchanged():
+    gm = make_fx(lambda x: x.sin() + 1)(X)
+    res, p = rewrite(gm)
+    assert not res.modified and res.graph_module.code == gm.code and p.report.skips == []
+
+
+def test_lone_cond_is_left_with_reason():
+    gm = make_fx(lambda p, x: cond(p, lambda x: x + 1, lambda x: x - 1, (x,)))(torch.tensor(True), X)
+    res, p = rewrite(gm)
+    assert not res.modified and n_conds(res.graph_module) == 1
+    assert any("lone cond" in s.reason and "cond" in s.where for s in p.report.skips)
+
+
+def test_unhoistable_predicate_keeps_that_cond_as_a_leaf():
+    def f(p, q, r, x, y):
+        def deepest(x, y, r):
+            # floor division can raise on int zero, so its predicate is not hoisted
+            return cond(torch.div(x, y, rounding_mode="floor").sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+
+        mid = lambda x, y, r: cond(r, lambda x, y, r: x * 2, deepest, (x, y, r))  # noqa: E731
+        return cond(p, mid, lambda x, y, r: x * 3, (x, y, r))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), torch.tensor(True), X, Y)
+    res, p = rewrite(gm)
+    assert res.modified
+    assert len(switch_nodes(res.graph_module)) == 1 and n_conds(res.graph_module) == 1
+    assert any("cannot be hoisted" in s.reason and "may raise" in s.reason for s in p.report.skips)
+    inputs = [(torch.tensor(a), torch.tensor(b), torch.tensor(c), X * s, Y) for a, b, c in itertools.product((True, False), repeat=3) for s in (1, -1)]
+    assert_same(gm, res.graph_module, inputs)
+
+
+def test_branch_with_two_conds_is_a_leaf_and_its_conds_stay():
+    def f(p, q, x):
+        def two(x, q):
+            a = cond(q, lambda x: x + 1, lambda x: x - 1, (x,))
+            return cond(q, lambda a: a * 2, lambda a: a * 3, (a,))
+
+        return cond(p, two, lambda x, q: x.exp(), (x, q))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), X)
+    res, p = rewrite(gm)
+    assert not res.modified and n_conds(res.graph_module) == 3
+    assert any("holds 2 conds" in s.reason for s in p.report.skips)
+
+
+def test_nested_tree_inside_an_unabsorbed_leaf_is_rewritten():
+    def f(p, q, r, x):
+        def two(x, q, r):
+            a = cond(q, lambda x, r: cond(r, lambda x: x + 1, lambda x: x - 1, (x,)), lambda x, r: x * 5, (x, r))
+            return cond(q, lambda a: a * 2, lambda a: a * 3, (a,))
+
+        return cond(p, two, lambda x, q, r: x.exp(), (x, q, r))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), torch.tensor(True), X)
+    after = cond_to_switch(gm)
+    assert len(switch_nodes(after)) == 1 and n_conds(after) == 2  # outer cond + the two-cond branch's second cond
+    assert_same(gm, after, [(torch.tensor(a), torch.tensor(b), torch.tensor(c), X) for a, b, c in itertools.product((True, False), repeat=3)])
+
+
+# --------------------------------------------------------------------------- malformed input
+
+
+def nested_gm():
+    def f(p, q, x):
+        return cond(p, lambda x, q: cond(q, lambda x: x + 1, lambda x: x - 1, (x,)), lambda x, q: x * 2, (x, q))
+
+    return make_fx(f)(torch.tensor(True), torch.tensor(True), X)
+
+
+def test_branch_outputs_differing_in_dtype_are_rejected():
+    gm = nested_gm()
+    gm.false_graph_0 = make_fx(lambda x, q: x.double())(X, torch.tensor(True))
+    with pytest.raises(MalformedGraphError, match=r"node 'cond'.*output 0 is torch.float32 in true branch but torch.float64"):
+        cond_to_switch(gm)
+
+
+def test_branch_outputs_differing_in_shape_are_rejected():
+    gm = nested_gm()
+    gm.true_graph_0.false_graph_0 = make_fx(lambda x: x.repeat(2))(X)
+    with pytest.raises(MalformedGraphError, match=r"node 'cond'.*shape \(3,\) in true branch but \(6,\)"):
+        cond_to_switch(gm)
+
+
+def test_non_tensor_operand_is_rejected():
+    gm = nested_gm()
+    node = next(n for n in gm.graph.nodes if is_cond(n))
+    node.args = (*node.args[:3], (node.args[3][0], 1.5))
+    with pytest.raises(MalformedGraphError, match=r"node 'cond'.*operand 1 is a float"):
+        cond_to_switch(gm)
+
+
+def test_graph_failing_lint_is_rejected():
+    gm = nested_gm()
+    g = gm.graph
+    first = next(iter(g.nodes))
+    out = next(n for n in g.nodes if n.op == "output")
+    with g.inserting_after(first):
+        early = g.call_function(aten.sin.default, (out.args[0],))  # uses a value defined later
+    out.args = (early,)
+    with pytest.raises(MalformedGraphError, match="fails torch.fx lint"):
+        cond_to_switch(gm)
+
+
+# --------------------------------------------------------------------------- scale
+
+
+def test_many_trees_in_one_graph():
+    # 60 dispatch chains of 4 conds each, built by copying one traced chain.
+    from branchyard.passes.control_flow import AttrSink, inline_graph
+
+    fn, ref = chain_fn([0, 1, 2, 3])
+    small = make_fx(fn)(torch.tensor(0), X)
+    g = torch.fx.Graph()
+    root = torch.nn.Module()
+
+    class CopySink(AttrSink):
+        def add(self, base, obj):
+            return super().add(base, copy.deepcopy(obj))
+
+    sink = CopySink(root)
+    src_ph = [n for n in small.graph.nodes if n.op == "placeholder"]
+    phs = [g.placeholder(n.name) for n in src_ph]
+    for a, b in zip(phs, src_ph):
+        a.meta = dict(b.meta)
+    idx, acc = phs
+    for _ in range(60):
+        (acc,) = inline_graph(g, small, [idx, acc], sink)
+    g.output(acc)
+    big = torch.fx.GraphModule(root, g)
+    assert n_conds(big) == 240
+    res, p = rewrite(big)
+    assert p.report.stats["cond_trees"] == 60 and p.report.stats["dispatch_index"] == 60
+    assert n_conds(res.graph_module) == 0 and len(switch_nodes(res.graph_module)) == 60
+    for i in (-1, 0, 2, 3, 4, 9):
+        expected = X
+        for _ in range(60):
+            expected = ref(torch.tensor(i), expected)
+        torch.testing.assert_close(res.graph_module(torch.tensor(i), X), expected, rtol=1e-4, atol=1e-4)

@@ -355,3 +355,14 @@ def test_division_by_a_scalar_is_a_scale_and_other_divisions_are_not():
     gm = make_fx(lambda x, w: torch.div(x @ w, 3.0, rounding_mode="floor"))(*args)
     (chain,) = find_epilogue_chains(gm)
     assert not chain.fusable
+
+
+def test_dynamic_batch_3d_decomposed_chain_matches_without_guards():
+    x = torch.randn(4, 8, 32)
+    dims = ({0: torch.export.Dim("b", min=2, max=64), 1: torch.export.Dim("s", min=2, max=512)},)
+    ep = torch.export.export(GPT2MLP(), (x,), dynamic_shapes=dims).run_decompositions()
+    out = nvgemm(ep)
+    assert specs(out) == ["w=kn;bias@0;gelu_tanh;out=float32", "w=kn;bias@0;residual@1;out=float32"]
+    for shape in [(2, 3, 32), (5, 17, 32)]:
+        xs = torch.randn(shape)
+        torch.testing.assert_close(out.module()(xs), ep.module()(xs), rtol=1e-5, atol=1e-5)

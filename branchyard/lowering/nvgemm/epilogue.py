@@ -117,10 +117,25 @@ def _other_operand(node: Node, x: Node) -> Any | str:
     return "the chain value is not an operand"
 
 
+def _known_eq(x: Any, y: Any) -> bool:
+    """``x == y`` provably (sizes may be SymInts; never adds a guard)."""
+    if isinstance(x, int) and isinstance(y, int):
+        return x == y
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(x == y))
+
+
+def same_shape(s1: Any, s2: Any) -> bool:
+    """Shapes provably equal (symbolic sizes included; never adds a guard)."""
+    s1, s2 = tuple(s1), tuple(s2)
+    return len(s1) == len(s2) and all(_known_eq(x, y) for x, y in zip(s1, s2))
+
+
 def _is_col_vector(t: Any, n: Any) -> bool:
     """``t`` broadcasts along rows only: shape ``[..., 1, N]`` or ``[N]``."""
     shape = tuple(t.shape)
-    return len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])
+    return len(shape) >= 1 and _known_eq(shape[-1], n) and all(_known_eq(d, 1) for d in shape[:-1])
 
 
 def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node | str:
@@ -142,7 +157,7 @@ def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node
         if not _is_col_vector(t, n):
             return f"operand '{other.name}' has shape {list(t.shape)}, not a per-column vector [{n}]"
         return other
-    if tuple(t.shape) != out:
+    if not same_shape(t.shape, out):
         return (
             f"operand '{other.name}' has shape {list(t.shape)}; a residual must have the output's "
             f"shape {list(out)} (no broadcasting)"
@@ -158,7 +173,7 @@ def _match_matrix(node: Node, x: Node) -> Node | str:
     other = _other_operand(node, x)
     if isinstance(other, Node) and isinstance(_val(other), torch.Tensor):
         t = _val(other)
-        if _is_col_vector(t, _out_shape(x)[-1]) and tuple(t.shape) != _out_shape(x):
+        if _is_col_vector(t, _out_shape(x)[-1]) and not same_shape(t.shape, _out_shape(x)):
             return "per-column operand (matched as bias/scale_col instead)"
     return _tensor_operand(node, x, "matrix")
 

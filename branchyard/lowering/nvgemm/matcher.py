@@ -45,6 +45,8 @@ from branchyard.lowering.nvgemm.epilogue import (
     EpilogueSpec,
     EpilogueStep,
     _is_col_vector,
+    _known_eq,
+    same_shape,
 )
 
 __all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot"]
@@ -181,7 +183,7 @@ def _bias_step(bias: Node, out: Node) -> tuple[EpilogueOp, Operand] | str:
     shape_out = tuple(_val(out).shape)
     if _is_col_vector(t, shape_out[-1]):
         return (EPILOGUE_OPS["bias"], bias)
-    if tuple(t.shape) == shape_out:
+    if same_shape(t.shape, shape_out):
         return (EPILOGUE_OPS["residual"], bias)
     return f"addmm input has shape {list(t.shape)}: neither a per-column bias nor an [M, N] residual"
 
@@ -262,7 +264,7 @@ def _row_view(node: Node, x: Node) -> bool:
     tin, tout = _val(x), _val(node)
     if not isinstance(tout, torch.Tensor) or tout.dim() < 1:
         return False
-    return tout.shape[-1] == tin.shape[-1]
+    return _known_eq(tout.shape[-1], tin.shape[-1])
 
 
 def _users(x: Node) -> tuple[list[Node], list[Node]]:

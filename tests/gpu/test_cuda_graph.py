@@ -137,15 +137,18 @@ def test_while_in_while_with_changing_inner_trip_counts():
 
 
 def test_while_in_a_branch_both_ways():
-    x, w = torch.rand(64, device=DEV), torch.rand(64, 64, device=DEV) / 64
+    # y -> 1.1 y + 1 grows geometrically, so the loop ends (~40 trips to 1e4); max_iterations guards anyway
+    x = torch.rand(64, device=DEV)
+    w = torch.eye(64, device=DEV) * 1.1 + torch.rand(64, 64, device=DEV) / 640
     ep = export(WhileInBranch(), (-x, w, scalar(1e4, torch.float32)))
-    m = lower(ep, (-x, w, scalar(1e4, torch.float32)))  # example takes the false branch
+    m = lower(ep, (-x, w, scalar(1e4, torch.float32)), max_iterations=10_000)  # example takes the false branch
     assert m.conditional_nodes["IF"] >= 1 and m.conditional_nodes["WHILE"] == 1
     cases = [(x, w, scalar(1e4, torch.float32)), (-x, w, scalar(1e4, torch.float32)), (x, w, scalar(10.0, torch.float32))]
     for args in cases:
         with no_host_sync():
             got = m(*args)
         torch.testing.assert_close(got[0], ep.module()(*args)[0])  # matmul: cuBLAS may pick another algorithm
+    assert not m.iterations_exhausted()
 
 
 def _switch_loop(branches):

@@ -10,6 +10,7 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.lowering.nvgemm import NvGemmPass, find_epilogue_chains, nvgemm
+from branchyard.passes import apply_pass as apply
 from branchyard.passes import get_pass
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
@@ -366,3 +367,31 @@ def test_dynamic_batch_3d_decomposed_chain_matches_without_guards():
     for shape in [(2, 3, 32), (5, 17, 32)]:
         xs = torch.randn(shape)
         torch.testing.assert_close(out.module()(xs), ep.module()(xs), rtol=1e-5, atol=1e-5)
+
+
+class CondMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, x, flag):
+        return torch.cond(
+            flag,
+            lambda t: F.gelu(self.fc(t)),
+            lambda t: torch.sigmoid(self.fc(t) * 0.5),
+            (x,),
+        )
+
+
+def test_chains_inside_cond_branches_are_fused():
+    x = torch.randn(4, 32)
+    ep = torch.export.export(CondMLP(), (x, torch.tensor(True)))
+    p = NvGemmPass()
+    out = apply(ep, p)
+    assert sorted(p.report.stats["specs"]) == ["w=nk;bias@0;gelu_erf;out=float32",
+                                              "w=nk;bias@0;scale:0.5;sigmoid;out=float32"]
+    subgraphs = [m for m in out.graph_module.modules() if isinstance(m, torch.fx.GraphModule)][1:]
+    assert sum(1 for g in subgraphs for n in g.graph.nodes if n.target is FUSED) == 2
+    for flag in (True, False):
+        torch.testing.assert_close(out.module()(x, torch.tensor(flag)), ep.module()(x, torch.tensor(flag)),
+                                   rtol=1e-5, atol=1e-5)

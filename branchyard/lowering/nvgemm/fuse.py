@@ -1,7 +1,8 @@
 """The ``nvgemm`` pass: replace each matmul + epilogue chain by one fused op.
 
 After this pass, every fusable chain found by
-:func:`~branchyard.lowering.nvgemm.matcher.find_epilogue_chains` is a single
+:func:`~branchyard.lowering.nvgemm.matcher.find_epilogue_chains` -- in the
+top-level graph and in every subgraph (``cond``/``while_loop`` branches) -- is a single
 ``branchyard.fused_gemm_epilogue`` call; every declined chain is in the
 pass report with its reason. Before / after::
 
@@ -35,7 +36,7 @@ from torch.fx import GraphModule, Node
 
 from branchyard.lowering.nvgemm.matcher import MATMUL_ROOTS, EpilogueChain, match_chain
 from branchyard.lowering.nvgemm.op import fused_gemm_epilogue
-from branchyard.passes.infra import BranchyardPass, Program, apply_pass, register_pass
+from branchyard.passes.infra import BranchyardPass, Program, apply_pass, iter_graph_modules, register_pass
 
 __all__ = ["NvGemmPass", "nvgemm"]
 
@@ -99,20 +100,23 @@ class NvGemmPass(BranchyardPass):
 
     def run(self, graph_module: GraphModule) -> bool:
         fused, declined, specs = 0, 0, []
-        # Snapshot the roots: a rewrite erases later nodes of its own chain only,
-        # and a root consumed as an operand stays in the graph.
-        roots = [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target in MATMUL_ROOTS]
-        for root in roots:
-            chain = match_chain(root)
-            if not chain.fusable:
-                declined += 1
-                self.skip(root, chain.reason or "")
-                continue
-            if chain.near_miss and chain.stop_node is not None:
-                self.skip(chain.stop_node, f"the chain from '{root.name}' stops here: {chain.stop}")
-            specs.append(str(chain.spec))
-            rewrite_chain(graph_module, chain)
-            fused += 1
+        # Every graph, control-flow branch and loop bodies included: a matmul
+        # inside a torch.cond branch is fused like one at the top level.
+        for gm in list(iter_graph_modules(graph_module)):
+            # Snapshot the roots: a rewrite erases its own chain only, and a
+            # root consumed as another chain's operand stays in the graph.
+            roots = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMUL_ROOTS]
+            for root in roots:
+                chain = match_chain(root)
+                if not chain.fusable:
+                    declined += 1
+                    self.skip(root, chain.reason or "")
+                    continue
+                if chain.near_miss and chain.stop_node is not None:
+                    self.skip(chain.stop_node, f"the chain from '{root.name}' stops here: {chain.stop}")
+                specs.append(str(chain.spec))
+                rewrite_chain(gm, chain)
+                fused += 1
         self.report.stats.update(fused=fused, declined=declined, specs=specs)
         return fused > 0
 

@@ -395,3 +395,11 @@ def test_chains_inside_cond_branches_are_fused():
     for flag in (True, False):
         torch.testing.assert_close(out.module()(x, torch.tensor(flag)), ep.module()(x, torch.tensor(flag)),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_find_epilogue_chains_recursive_sees_cond_branches():
+    ep = torch.export.export(CondMLP(), (torch.randn(4, 32), torch.tensor(True)))
+    assert find_epilogue_chains(ep.graph_module) == []
+    chains = find_epilogue_chains(ep.graph_module, recursive=True)
+    assert sorted(str(c.spec) for c in chains) == ["w=nk;bias@0;gelu_erf;out=float32",
+                                                   "w=nk;bias@0;scale:0.5;sigmoid;out=float32"]

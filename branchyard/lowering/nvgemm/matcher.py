@@ -383,13 +383,19 @@ def match_chain(node: Node) -> EpilogueChain:
     return chain
 
 
-def find_epilogue_chains(gm: GraphModule) -> list[EpilogueChain]:
-    """Every matmul root in ``gm``'s top-level graph and its chain, fusable or
-    declined (``chain.reason``), in graph order.
+def find_epilogue_chains(gm: GraphModule, *, recursive: bool = False) -> list[EpilogueChain]:
+    """Every matmul root in ``gm``'s graph (and, with ``recursive``, in every
+    subgraph such as ``cond`` branches) and its chain, fusable or declined
+    (``chain.reason``), in graph order.
 
-    Chains never overlap: a node is consumed by at most one chain, because each
-    chain value has a single user.
+    When two chains would claim the same node (a residual that is itself a
+    matmul), the later one is reported as overlapping, as the pass, which
+    rewrites one chain at a time, would see it.
     """
+    if recursive:
+        from branchyard.passes.infra import iter_graph_modules
+
+        return [c for sub in iter_graph_modules(gm) for c in find_epilogue_chains(sub)]
     chains = []
     claimed: dict[Node, Node] = {}
     for node in gm.graph.nodes:

@@ -197,6 +197,22 @@ def test_switch_operator_from_export():
     check(m, ep.module(), [(scalar(k), x) for k in (0, 1, 2)])
 
 
+def test_swapped_and_self_viewing_carries_are_read_before_written():
+    # torch.export refuses aliasing bodies, so this program is written by hand.
+    program = while_loop_module(
+        lambda i, x, y, z, n: i < n, lambda i, x, y, z, n: (i + 1, y, x + 1.0, z.t()), num_carried=4, num_additional=1
+    )
+    a, b, m = torch.randn(16, device=DEV), torch.randn(16, device=DEV), torch.randn(8, 8, device=DEV)
+    lowered = lower(program, (scalar(0), a, b, m, scalar(3)))
+    for n in (0, 1, 2, 5):
+        with no_host_sync():
+            i, x, y, z = lowered(scalar(0), a, b, m, scalar(n))
+        rx, ry, rz = a, b, m
+        for _ in range(n):
+            rx, ry, rz = ry, rx + 1.0, rz.t()
+        assert i.item() == n and torch.equal(x, rx) and torch.equal(y, ry) and torch.equal(z, rz)
+
+
 def test_max_iterations_stops_a_loop_that_would_not_end():
     class Forever(torch.nn.Module):
         def forward(self, x, n):

@@ -188,6 +188,10 @@ def _while_evaluate(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_f
     return tuple(outs)
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 def _aliases(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
     ptr = t.untyped_storage().data_ptr()
     return any(ptr == o.untyped_storage().data_ptr() for o in others)
@@ -214,13 +218,14 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
         outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn"))
-        # A carry returned in another carry's slot (a swap) must be read before it is overwritten.
+        # A carry returned unchanged needs no write-back. Anything else that shares memory with a
+        # carry buffer (a swap, a transpose of itself) is read into a fresh tensor before any write.
+        unchanged = [_same_view(o, buf) for o, buf in zip(outs, bufs)]
         for i, o in enumerate(outs):
-            others = [buf for j, buf in enumerate(bufs) if j != i]
-            if _aliases(o, others):
+            if not unchanged[i] and _aliases(o, bufs):
                 outs[i] = o.clone()
         interp.keep(outs)
-        b.copy_many([(buf, o) for buf, o in zip(bufs, outs) if not (o.data_ptr() == buf.data_ptr() and o.stride() == buf.stride())])
+        b.copy_many([(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same])
         if count is not None:
             count.add_(1)
         b.set_from_bool((handle,), predicate())

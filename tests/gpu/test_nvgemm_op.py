@@ -194,6 +194,10 @@ def test_cublaslt_candidate_is_exact_for_its_chains(tmp_path, text):
     tuner = at.Autotuner(
         lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cublaslt:_addmm_activation"],
         db=at.WinnerDB(tmp_path), progress=False)
+    if "gelu" in text and at._addmm_gelu_form("cuda", torch.bfloat16) != "tanh":
+        with pytest.raises(Exception, match="erf GELU"):
+            tuner.tune(a, b.t(), ops, spec)
+        return
     res = tuner.tune(a, b.t(), ops, spec)
     assert res.winner == "cublaslt:_addmm_activation", res.excluded
 
@@ -208,6 +212,7 @@ def test_cublaslt_gelu_is_the_tanh_form_not_erf():
     err_tanh = (got.double() - F.gelu(y, approximate="tanh")).abs().max().item()
     err_erf = (got.double() - F.gelu(y)).abs().max().item()
     assert err_tanh < err_erf, (err_tanh, err_erf)
+    assert at._addmm_gelu_form("cuda", torch.float32) == "tanh"
 
 
 def test_addmm_candidate_for_scale_residual(tmp_path):

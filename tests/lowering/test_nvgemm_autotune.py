@@ -370,3 +370,15 @@ def test_cutlass_plain_candidate_adds_the_epilogue_after_the_plain_gemm(monkeypa
     assert calls == [(torch.float32, "nk")]
     fake.plain_gemm_available = lambda: (False, "no sm90")
     assert at._cutlass_plain_candidates(problem) == []
+
+
+def test_cublaslt_gelu_candidate_refuses_a_device_whose_gelu_is_the_erf_form():
+    """On CPU, torch's _addmm_activation GELU is the erf form: the probe sees
+    it and the gelu_tanh candidate refuses to build (GELUs are never swapped)."""
+    assert at._addmm_gelu_form("cpu", torch.float32) == "erf"
+    a, b, ops = _inputs()
+    problem = Problem.of(a, b, ops, EpilogueSpec.parse("w=kn;bias@0;gelu_tanh;out=float32"))
+    with pytest.raises(LoweringError, match="computes the erf GELU, not the tanh form"):
+        at._cublaslt_build(problem)
+    relu = Problem.of(a, b, ops, SPEC)
+    torch.testing.assert_close(at._cublaslt_build(relu)(a, b, ops, torch.empty(8, 16)), torch.relu(a @ b + ops[0]))

@@ -435,8 +435,29 @@ def _cublaslt_applies(problem: Problem) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _addmm_gelu_form(device: str, dtype: torch.dtype) -> str:
+    """Which GELU ``_addmm_activation(use_gelu=True)`` computes here: "tanh"
+    or "erf" (torch's CPU kernel uses erf; cuBLASLt's epilogue is tanh).
+    Probed once on inputs where the two forms differ by far more than the
+    dtype's rounding, so a swapped GELU cannot pass the tolerance check."""
+    x = torch.linspace(-3.0, 3.0, 64, device=device, dtype=torch.float32).reshape(8, 8)
+    eye = torch.eye(8, device=device, dtype=torch.float32)
+    got = torch._addmm_activation(torch.zeros(8, device=device, dtype=dtype), x.to(dtype), eye.to(dtype),
+                                  use_gelu=True).double()
+    xd = x.to(dtype).double()
+    err_tanh = (got - torch.nn.functional.gelu(xd, approximate="tanh")).abs().max().item()
+    err_erf = (got - torch.nn.functional.gelu(xd)).abs().max().item()
+    return "tanh" if err_tanh <= err_erf else "erf"
+
+
 def _cublaslt_build(problem: Problem) -> Impl:
     use_gelu = _CUBLASLT_CHAINS[tuple(n for n in problem.spec.names if n != "cast")]
+    if use_gelu and _addmm_gelu_form(problem.device, problem.dtype) != "tanh":
+        raise LoweringError(
+            f"_addmm_activation on {problem.device} computes the erf GELU, not the tanh form this chain needs",
+            where="cublaslt candidate",
+        )
 
     def impl(a, b_kn, operands, out):
         return torch._addmm_activation(operands[0], a, b_kn, use_gelu=use_gelu, out=out)

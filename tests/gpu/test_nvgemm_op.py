@@ -212,7 +212,7 @@ def test_cublaslt_gelu_is_the_tanh_form_not_erf():
     err_tanh = (got.double() - F.gelu(y, approximate="tanh")).abs().max().item()
     err_erf = (got.double() - F.gelu(y)).abs().max().item()
     assert err_tanh < err_erf, (err_tanh, err_erf)
-    assert at._addmm_gelu_form("cuda", torch.float32) == "tanh"
+    assert [at._addmm_gelu_form("cuda", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["tanh"] * 3
 
 
 def test_addmm_candidate_for_scale_residual(tmp_path):

@@ -375,7 +375,7 @@ def test_cutlass_plain_candidate_adds_the_epilogue_after_the_plain_gemm(monkeypa
 def test_cublaslt_gelu_candidate_refuses_a_device_whose_gelu_is_the_erf_form():
     """On CPU, torch's _addmm_activation GELU is the erf form: the probe sees
     it and the gelu_tanh candidate refuses to build (GELUs are never swapped)."""
-    assert at._addmm_gelu_form("cpu", torch.float32) == "erf"
+    assert [at._addmm_gelu_form("cpu", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["erf"] * 3
     a, b, ops = _inputs()
     problem = Problem.of(a, b, ops, EpilogueSpec.parse("w=kn;bias@0;gelu_tanh;out=float32"))
     with pytest.raises(LoweringError, match="computes the erf GELU, not the tanh form"):

@@ -22,7 +22,7 @@ Targets checked at the end: at M >= 2048 ``ours`` within 1.05x of ``mm``;
 geomean over M >= 2048 of (best alternative not ours) / ours >= 1.10; the
 autotuned pick within 2% of the best candidate.
 
-    python benchmarks/nvgemm_epilogue.py --quick                 # ~24 rows
+    python benchmarks/nvgemm_epilogue.py --quick                 # 24 rows, one 10-minute run
     python benchmarks/nvgemm_epilogue.py --json a.json --nk 4096x4096
     python benchmarks/nvgemm_epilogue.py --merge a.json b.json --markdown t.md --plot p.png
 
@@ -332,12 +332,13 @@ def main(argv=None) -> int:
     p.add_argument("--nk", nargs="*", help="N x K pairs, e.g. 4096x14336")
     p.add_argument("--chains", nargs="*", choices=list(CHAINS), help="chains (default: all four)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    p.add_argument("--max-configs", type=int, default=None, help="CuTeDSL configs per shape (default: all; quick: 3)")
+    p.add_argument("--max-configs", type=int, default=None, help="CuTeDSL configs per shape (default: all; quick: 2)")
     p.add_argument("--inductor-mode", default="max-autotune-no-cudagraphs",
                    help="torch.compile mode for the Inductor column, or 'off'")
     p.add_argument("--inductor-budget-s", type=float, default=None,
-                   help="stop compiling Inductor candidates after this many seconds (quick: 240)")
-    p.add_argument("--inductor-min-m", type=int, default=1, help="only compile Inductor for M >= this")
+                   help="stop compiling Inductor candidates after this many seconds (quick: 180)")
+    p.add_argument("--inductor-min-m", type=int, default=None,
+                   help=f"only compile Inductor for M >= this (default 1; quick: {LARGE_M})")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json"), p.add_argument("--markdown"), p.add_argument("--plot")
@@ -360,9 +361,11 @@ def main(argv=None) -> int:
     ms = args.m or ([16, 2048, 8192] if args.quick else M_ALL)
     nks = [tuple(int(x) for x in s.split("x")) for s in args.nk] if args.nk else (NK_ALL[:2] if args.quick else NK_ALL)
     chains = args.chains or list(CHAINS)
-    if args.quick:
-        args.max_configs = args.max_configs or 3
-        args.inductor_budget_s = args.inductor_budget_s if args.inductor_budget_s is not None else 240.0
+    if args.quick:  # fits one 10-minute run: fewer tile configs, Inductor only where the targets are
+        args.max_configs = args.max_configs or 2
+        args.inductor_budget_s = args.inductor_budget_s if args.inductor_budget_s is not None else 180.0
+        args.inductor_min_m = args.inductor_min_m if args.inductor_min_m is not None else LARGE_M
+    args.inductor_min_m = args.inductor_min_m if args.inductor_min_m is not None else 1
     args.max_configs = args.max_configs or 99
     dtype = getattr(torch, args.dtype)
     env = versions()
@@ -376,6 +379,8 @@ def main(argv=None) -> int:
                     row = run_row(m, n, k, chain, dtype, args, budget, db_dir)
                     rows.append(row)
                     print(table_lines([row])[-1] + f"   ({time.time() - t0:.0f}s)", flush=True)
+                    if args.json:  # a run cut short by a time limit still leaves its rows
+                        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
                     torch.cuda.empty_cache()
     emit(rows, env, args)
     return 0

@@ -1,7 +1,8 @@
 """Find matmuls and the single-use elementwise chain after them (the epilogue).
 
-A candidate starts at a matmul root -- ``aten.mm``, ``aten.addmm`` or
-``aten.linear`` (2-D, or N-D input flattened to ``[M, K]``) -- and walks
+A candidate starts at a matmul root -- ``aten.mm``, ``aten.matmul`` with a
+2-D weight, ``aten.addmm`` or ``aten.linear`` (2-D, or N-D input flattened to
+``[M, K]``) -- and walks
 forward while the running value has exactly one user and that user is a row
 of the epilogue table (:data:`~branchyard.lowering.nvgemm.epilogue.EPILOGUE_TABLE`)
 whose operand checks pass::
@@ -14,7 +15,9 @@ whose operand checks pass::
 
 Views that only regroup the leading (row) dims are transparent, so the
 ``view -> addmm -> view`` that ``run_decompositions`` makes of a 3-D
-``linear`` still matches, and so is the decomposed SiLU ``x * sigmoid(x)``.
+``linear`` still matches; the decomposed SiLU ``x * sigmoid(x)`` is one
+``silu`` step; ``_assert_tensor_metadata`` checks on intermediates (export
+puts them before a ``.to``) go with the chain.
 
 Every matcher here is a run of guard clauses returning a match or a reason
 string; :func:`find_epilogue_chains` returns one :class:`EpilogueChain` per

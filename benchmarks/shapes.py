@@ -7,7 +7,8 @@ recompiles and total time of those calls (compilation dominates it) for
 * ``torch.compile(dynamic=True)`` (backed symbols, guards);
 * ``torch.compile`` with no spec (static first, then automatic dynamic);
 
-plus the steady-state time of one call once everything is compiled.
+plus the steady-state time of one call once everything is compiled
+(all variants stay compiled and are timed round-robin, eager alongside).
 
 Part 2 -- export of a block whose three inputs share ``batch`` and one is
 ``2 * batch``: export time, graph nodes, runtime asserts and symbols for
@@ -29,14 +30,18 @@ import platform
 import statistics
 import sys
 import time
+import types
+from typing import Any
 
 import torch
+import torch._inductor.config
 from torch._dynamo.utils import counters
 
 import branchyard.shapes as shapes
 from branchyard.shapes import ShapesSpec, ShapeVar
 
 BATCH = ShapeVar("batch", min=2, max=128)
+VARIANTS = ("shapes.compile (spec)", "torch.compile(dynamic=True)", "torch.compile (no spec)")
 
 
 class MLP(torch.nn.Module):
@@ -55,11 +60,28 @@ def sizes_in_range(n: int) -> list[int]:
     return out
 
 
-def run_compile(variant: str, backend: str, sizes: list[int], d: int) -> dict:
+def warm_up(backend: str) -> None:
+    """One throwaway compile, so the first measured variant does not pay for
+    the compiler's own start-up (imports, C++ toolchain probes)."""
     torch._dynamo.reset()
-    counters.clear()
+    f = torch.compile(lambda t: torch.nn.functional.gelu(t @ t.T).sum(0), backend=backend)
+    f(torch.randn(5, 7))
+    f(torch.randn(6, 7))
+
+
+def fresh_model(tag: str, d: int) -> MLP:
+    """An MLP whose forward is its own code object, so variants never share
+    Dynamo cache entries and all can stay compiled side by side."""
+    code = MLP.forward.__code__.replace(co_name=f"forward_{tag}")
+    forward = types.FunctionType(code, MLP.forward.__globals__, f"forward_{tag}")
+    cls = type(f"MLP_{tag}", (MLP,), {"forward": forward})
     torch.manual_seed(0)
-    model = MLP(d).eval()
+    return cls(d).eval()
+
+
+def compile_variant(variant: str, backend: str, sizes: list[int], d: int) -> tuple[dict, Any, MLP]:
+    tag = str(abs(hash(variant)))
+    model = fresh_model(tag, d)
     if variant == "shapes.compile (spec)":
         fn = shapes.compile(model, spec={"x": (BATCH, d)}, backend=backend)
     elif variant == "torch.compile(dynamic=True)":
@@ -67,27 +89,33 @@ def run_compile(variant: str, backend: str, sizes: list[int], d: int) -> dict:
     else:
         fn = torch.compile(model, backend=backend)
     inputs = [torch.randn(n, d) for n in sizes]
+    before = counters["stats"]["unique_graphs"]
     with torch.no_grad():
         t0 = time.perf_counter()
         for x in inputs:
             fn(x)
         total = time.perf_counter() - t0
-        steady = []
-        for _ in range(3):
-            t1 = time.perf_counter()
-            for x in inputs:
-                fn(x)
-            steady.append((time.perf_counter() - t1) / len(inputs))
         for x in inputs[:3]:
             torch.testing.assert_close(fn(x), model(x), rtol=1e-4, atol=1e-4)
-    frames = counters["stats"]["unique_graphs"]
-    return {
-        "variant": variant,
-        "graphs_compiled": frames,
-        "recompiles": max(frames - 1, 0),
-        "first_pass_s": total,
-        "steady_call_s": statistics.median(steady),
-    }
+    graphs = counters["stats"]["unique_graphs"] - before
+    row = {"variant": variant, "graphs_compiled": graphs, "recompiles": max(graphs - 1, 0), "first_pass_s": total}
+    return row, fn, model
+
+
+def steady_calls(fns: dict[str, Any], sizes: list[int], d: int, rounds: int) -> dict[str, float]:
+    """Best-of-``rounds`` time per call over all sizes, variants measured
+    round-robin so the machine's load hits them alike (the minimum is the
+    statistic least disturbed by other processes on a shared machine)."""
+    inputs = [torch.randn(n, d) for n in sizes]
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                for x in inputs:
+                    fn(x)
+                times[name].append((time.perf_counter() - t0) / len(inputs))
+    return {k: min(v) for k, v in times.items()}
 
 
 class Block(torch.nn.Module):
@@ -141,22 +169,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, default=20)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--export-repeats", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7, help="round-robin rounds for steady-state call time")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least noise on a shared CPU)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
     sizes = sizes_in_range(a.sizes)
+    torch.set_num_threads(a.threads)
     env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": torch.get_num_threads(),
+        "threads": torch.get_num_threads(),
+        "cpus": __import__("os").cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d"),
         "backend": a.backend,
         "sizes": sizes,
     }
     print(json.dumps(env))
-    compile_rows = [run_compile(v, a.backend, sizes, a.dim) for v in ("shapes.compile (spec)", "torch.compile(dynamic=True)", "torch.compile (no spec)")]
+    # no cross-variant cache hits: each variant compiles from scratch
+    torch._inductor.config.fx_graph_cache = False
+    torch._inductor.config.autotune_local_cache = False
+    warm_up(a.backend)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = [compile_variant(v, a.backend, sizes, a.dim) for v in VARIANTS]
+    fns = {row["variant"]: fn for row, fn, _ in compiled}
+    fns["eager (no compile)"] = compiled[0][2]
+    steady = steady_calls(fns, sizes, a.dim, a.rounds)
+    compile_rows = [row | {"steady_call_s": steady[row["variant"]]} for row, _, _ in compiled]
+    eager = steady["eager (no compile)"]
     base = compile_rows[0]
     print(f"\n== compile once, call {len(sizes)} sizes in [2, 128], backend={a.backend}")
     print(f"{'variant':32} {'graphs':>6} {'recompiles':>10} {'first pass':>11} {'vs spec':>8} {'steady call':>12} {'vs spec':>8}")
@@ -166,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['first_pass_s'] / base['first_pass_s']:>7.2f}x {r['steady_call_s'] * 1e6:>10.0f}us "
             f"{r['steady_call_s'] / base['steady_call_s']:>7.2f}x"
         )
+    print(f"{'eager (no compile)':32} {'':>6} {'':>10} {'':>11} {'':>8} {eager * 1e6:>10.0f}us {eager / base['steady_call_s']:>7.2f}x")
     export_rows = run_export(64, a.export_repeats)
     eb = export_rows[0]
     print("\n== export: 3 inputs share batch, 1 input is 2*batch")
@@ -177,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"env": env, "compile": compile_rows, "export": export_rows}, f, indent=2)
+            json.dump({"env": env, "eager_call_s": eager, "compile": compile_rows, "export": export_rows}, f, indent=2)
     return 0
 
 

@@ -147,15 +147,22 @@ def _slots(leaf: Leaf) -> Iterator[tuple[str, Any, int]]:
             yield f"{leaf.path} dim {i}", d, int(leaf.value.shape[i])
 
 
-def bind(spec: ShapesSpec, fn: Any, args: tuple, kwargs: dict | None = None) -> Binding:
-    """Bind ``(args, kwargs)`` to ``fn``'s signature and check them against ``spec``."""
-    sig = signature_of(fn)
+def bind(
+    spec: ShapesSpec, fn: Any, args: tuple, kwargs: dict | None = None, sig: inspect.Signature | None = None
+) -> Binding:
+    """Bind ``(args, kwargs)`` to ``fn``'s signature and check them against ``spec``.
+
+    ``sig``: ``fn``'s signature, already checked against the spec (a caller
+    binding every call, like a compiled function, reads it once).
+    """
+    if sig is None:
+        sig = signature_of(fn)
+        check_spec_matches_signature(spec, sig, where=getattr(fn, "__qualname__", type(fn).__name__))
     try:
         arguments = sig.bind(*args, **(kwargs or {}))
     except TypeError as e:
         raise SpecViolationError(f"arguments do not match the signature {sig}: {e}") from e
     arguments.apply_defaults()
-    check_spec_matches_signature(spec, sig, where=getattr(fn, "__qualname__", type(fn).__name__))
     leaves = [leaf for name, entry in spec.params.items() for leaf in _iter_leaves(entry, arguments.arguments[name], name, (name,))]
     binding = Binding(arguments, leaves)
     derived: list[tuple[str, DimExpr, int, str]] = []

@@ -279,3 +279,29 @@ def test_backward_matches_eager_and_compile_with_trainable_params():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=name)
     compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class CondBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+
+    def forward(self, x, flag):
+        return torch.cond(flag, lambda t: F.gelu(self.fc(t)), lambda t: torch.tanh(self.fc(t) * 0.5), (x,))
+
+
+def test_fused_ops_inside_cond_branches_survive_save_load_and_decompositions():
+    x = torch.randn(4, 16)
+    ep = torch.export.export(CondBlock(), (x, torch.tensor(True)))
+    fused = nvgemm(ep)
+    buf = io.BytesIO()
+    torch.export.save(fused, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    decomposed = loaded.run_decompositions()
+    count = sum(1 for m in decomposed.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+                for n in m.graph.nodes if n.target is FUSED)
+    assert count == 2, "the fused op is not decomposed away"
+    for flag in (True, False):
+        f = torch.tensor(flag)
+        torch.testing.assert_close(decomposed.module()(x, f), ep.module()(x, f), rtol=1e-5, atol=1e-5)

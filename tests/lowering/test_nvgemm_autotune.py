@@ -382,3 +382,11 @@ def test_cublaslt_gelu_candidate_refuses_a_device_whose_gelu_is_the_erf_form():
         at._cublaslt_build(problem)
     relu = Problem.of(a, b, ops, SPEC)
     torch.testing.assert_close(at._cublaslt_build(relu)(a, b, ops, torch.empty(8, 16)), torch.relu(a @ b + ops[0]))
+
+
+def test_inductor_compiles_are_capped_per_process(monkeypatch):
+    monkeypatch.setattr(at, "_INDUCTOR_FNS", {("already",): None})
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "1")
+    problem = Problem.of(*_inputs(), SPEC)
+    with pytest.raises(LoweringError, match="1 Inductor compiles already made.*BRANCHYARD_NVGEMM_INDUCTOR_MAX"):
+        at._inductor_build(problem, "default")

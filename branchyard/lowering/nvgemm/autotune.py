@@ -487,6 +487,12 @@ def _inductor_build(problem: Problem, mode: str) -> Impl:
            problem.a_layout, problem.b_layout, problem.operand_layouts, problem.device)
     compiled = _INDUCTOR_FNS.get(key)
     if compiled is None:
+        cap = int(os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "32"))
+        if len(_INDUCTOR_FNS) >= cap:
+            raise LoweringError(
+                f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)",
+                where="triton:inductor candidate", hint="raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more",
+            )
         compiled = torch.compile(_fresh_chain(problem.spec), mode=mode, dynamic=False, fullgraph=True)
         _INDUCTOR_FNS[key] = compiled
 
@@ -615,7 +621,8 @@ def default_candidates(problem: Problem, *, inductor: bool | None = None) -> lis
 
     ``BRANCHYARD_NVGEMM_MAX_CONFIGS=n`` keeps only the first ``n`` CuTeDSL tile
     configs (each is a separate compile). ``inductor`` (default: env ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds
-    the Inductor max-autotune candidate, which compiles for minutes.
+    the Inductor max-autotune candidate, which compiles for minutes; at most
+    ``BRANCHYARD_NVGEMM_INDUCTOR_MAX`` (default 32) shapes per process.
     """
     if inductor is None:
         inductor = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR", "1") != "0"

@@ -47,7 +47,7 @@ from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
 from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, signature_of
 
-__all__ = ["export", "compile", "make_fx", "SpecCompiled", "resolve_spec"]
+__all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "resolve_spec"]
 
 
 def resolve_spec(fn: Any, spec: ShapesSpec | dict | None) -> ShapesSpec:
@@ -167,7 +167,30 @@ def export(
             _raise_explained(err, inputs, spec)
             raise
     insert_dim_checks(ep.graph_module, inputs.var_of_symbol())
+    # for checked_module(): the spec and the signature its keys name
+    ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
     return ep
+
+
+def checked_module(ep: torch.export.ExportedProgram) -> torch.nn.Module:
+    """``ep.module()`` that checks each call's inputs against the spec first.
+
+    ``ep`` comes from :func:`export`. A violating input raises
+    :class:`~branchyard.errors.SpecViolationError` (argument, dim, ShapeVar,
+    range, value) before torch's own input guards and the graph's asserts
+    run -- they raise a mix of ``AssertionError`` and ``RuntimeError``.
+    """
+    found = getattr(ep, "branchyard_shapes", None)
+    if found is None:
+        raise ShapeSpecError("this ExportedProgram was not made by branchyard.shapes.export; it carries no spec")
+    spec, sig = found
+    module = ep.module()
+
+    def check_inputs(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        bind(spec, _mod, args, kwargs, sig=sig)
+
+    module.register_forward_pre_hook(check_inputs, with_kwargs=True, prepend=True)
+    return module
 
 
 def _scalar_spec(spec: ShapesSpec, binding: Binding, scalars: list[Leaf], mod: torch.nn.Module) -> Any:

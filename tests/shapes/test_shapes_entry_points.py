@@ -419,3 +419,16 @@ def test_sizes_zero_and_one_do_not_specialise_or_recompile():
     gm = shapes.make_fx(f, spec={"x": (n, 3)})(torch.ones(1, 3))  # traced at size 1, still symbolic
     assert len(input_symbols(gm)) == 1
     torch.testing.assert_close(gm(torch.ones(0, 3)), torch.zeros(3))
+
+
+def test_checked_module_validates_before_torchs_guards():
+    ep = shapes.export(derived_fn, derived_args(), spec=DERIVED)
+    m = shapes.checked_module(ep)
+    a = derived_args(7, 2, 16)
+    check_outputs(m(*a), a)
+    with pytest.raises(SpecViolationError, match=r"argument 'x': x dim 0 has size 200, outside ShapeVar 'batch' \(2 <= batch <= 128\)"):
+        m(*derived_args(200, 1, 16))
+    with pytest.raises(SpecViolationError, match=r"argument 'n': n has size 14, but the spec says seq - 1 = 15 \(seq = 16 from s dim 0\)"):
+        m(*derived_args(4, 2, 16)[:4], 14)
+    with pytest.raises(ShapeSpecError, match="not made by branchyard.shapes.export"):
+        shapes.checked_module(torch.export.export(_Add3(), ARGS3))

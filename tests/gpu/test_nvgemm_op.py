@@ -7,8 +7,8 @@ the cuBLASLt / cuBLAS / Inductor candidates' numerics.
 Skipped without CUDA (tests/gpu/conftest.py). Tests that need our CuTeDSL
 kernel skip without it. To keep compile time bounded, the autotuner here
 offers one CuTeDSL config (128x128, the one tests/gpu/test_nvgemm_kernel.py
-compiles, so the in-process compile cache is shared) and no Inductor,
-except in the Inductor test.
+compiles, so the in-process compile cache is shared), no Inductor and no
+cutlass-operators GEMM, except in their own tests.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ SHAPES = [(1, 4096, 512), (333, 1000, 136), (512, 512, 1024)]
 
 
 def _candidates(problem: at.Problem) -> list[at.Candidate]:
-    """Default candidates, CuTeDSL limited to one config, no Inductor."""
-    rest = [c for c in at.default_candidates(problem, inductor=False) if not c.name.startswith("cutedsl:")]
+    """Default candidates, CuTeDSL limited to one config, no Inductor and no
+    cutlass-operators GEMM (both compile per shape; each has its own test)."""
+    rest = [c for c in at.default_candidates(problem, inductor=False)
+            if not c.name.startswith(("cutedsl:", "cutlass_plain"))]
     if not CUTEDSL_OK:
         return rest
     ours = at.Candidate(OURS, functools.partial(at._cutedsl_build, config=GemmConfig(128, 128)))
@@ -231,3 +233,17 @@ def test_inductor_candidate_compiles_and_is_checked(tmp_path, monkeypatch):
         db=at.WinnerDB(tmp_path), progress=False)
     res = tuner.tune(a, b.t(), ops, spec)
     assert res.winner == "triton:inductor", res.excluded
+
+
+def test_cutlass_plain_candidate_when_available(tmp_path):
+    from branchyard.lowering.nvgemm.cutlass_operators import plain_gemm_available
+
+    ok, why = plain_gemm_available()
+    if not ok:
+        pytest.skip(f"cutlass-operators unavailable: {why}")
+    a, b, ops, spec = _inputs("bias@0;gelu_erf;residual@1", torch.bfloat16, 256, 512, 256)
+    tuner = at.Autotuner(
+        lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cutlass_plain+epilogue"],
+        db=at.WinnerDB(tmp_path), progress=False)
+    res = tuner.tune(a, b.t(), ops, spec)
+    assert res.winner == "cutlass_plain+epilogue", res.excluded

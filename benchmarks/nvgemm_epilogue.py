@@ -177,7 +177,10 @@ def run_row(m, n, k, chain, dtype, args, budget, db_dir) -> dict:
         cands = at.default_candidates(p, inductor=args.inductor_mode != "off" and m >= args.inductor_min_m
                                       and row["inductor"] is not None)
         cut = [c for c in cands if c.name.startswith("cutedsl:")][: args.max_configs]
-        return cut + [c for c in cands if not c.name.startswith("cutedsl:")]
+        rest = [c for c in cands if not c.name.startswith("cutedsl:")]
+        if not args.cutlass_plain:  # compiles per shape: left out of --quick runs
+            rest = [c for c in rest if not c.name.startswith("cutlass_plain")]
+        return cut + rest
 
     tuner = at.Autotuner(candidates, db=at.WinnerDB(db_dir), progress=not args.no_progress)
     at.set_autotuner(tuner)
@@ -339,6 +342,8 @@ def main(argv=None) -> int:
                    help="stop compiling Inductor candidates after this many seconds (quick: 180)")
     p.add_argument("--inductor-min-m", type=int, default=None,
                    help=f"only compile Inductor for M >= this (default 1; quick: {LARGE_M})")
+    p.add_argument("--cutlass-plain", action=argparse.BooleanOptionalAction, default=None,
+                   help="offer the cutlass-operators plain GEMM to the autotuner (default on; quick: off)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json"), p.add_argument("--markdown"), p.add_argument("--plot")
@@ -365,7 +370,9 @@ def main(argv=None) -> int:
         args.max_configs = args.max_configs or 2
         args.inductor_budget_s = args.inductor_budget_s if args.inductor_budget_s is not None else 180.0
         args.inductor_min_m = args.inductor_min_m if args.inductor_min_m is not None else LARGE_M
+        args.cutlass_plain = bool(args.cutlass_plain)
     args.inductor_min_m = args.inductor_min_m if args.inductor_min_m is not None else 1
+    args.cutlass_plain = True if args.cutlass_plain is None else args.cutlass_plain
     args.max_configs = args.max_configs or 99
     dtype = getattr(torch, args.dtype)
     env = versions()

@@ -150,8 +150,11 @@ def test_key_names_everything_the_winner_depends_on():
         (lambda p: p.write_text("{not json"), "is corrupt"),
         (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "entries": {}})), "has schema"),
         (lambda p: p.write_text(p.read_text().replace('"winner": "ours"', '"winner": "aten"')), "fails its checksum"),
+        (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION,
+                                            "entries": {k: ["junk"] for k in json.loads(p.read_text())["entries"]}})),
+         "fails its checksum"),
     ],
-    ids=["corrupt-file", "other-schema", "tampered-entry"],
+    ids=["corrupt-file", "other-schema", "tampered-entry", "entry-not-an-object"],
 )
 def test_damaged_database_is_detected_and_rebuilt(tmp_path, caplog, damage, message):
     rec = Recorder({"ours": 1.0, "aten": 2.0})

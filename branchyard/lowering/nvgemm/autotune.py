@@ -313,8 +313,8 @@ class WinnerDB:
         entry = self._read().get(key)
         if entry is None:
             return None
-        body = {k: v for k, v in entry.items() if k != "checksum"}
-        if not isinstance(entry, dict) or entry.get("checksum") != _checksum(body):
+        body = {k: v for k, v in entry.items() if k != "checksum"} if isinstance(entry, dict) else None
+        if body is None or entry.get("checksum") != _checksum(body):
             logger.warning("nvgemm: winner entry for %s fails its checksum; retuning", key)
             return None
         if known is not None and entry.get("winner") not in known:

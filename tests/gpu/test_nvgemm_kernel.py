@@ -37,6 +37,8 @@ CHAINS = [
 # (M, N, K): M=1, M off every tile (100, 333), N=14336, a multi-tile square.
 SHAPES = [(1, 4096, 512), (100, 14336, 256), (333, 1000, 136), (512, 512, 1024)]
 CONFIG = cg.GemmConfig(128, 128)
+# The same tile with the residual brought in by TMA instead of gathered.
+CONFIG_RTMA = cg.GemmConfig(128, 128, residual_tma=True)
 
 
 def _operands(spec: EpilogueSpec, m: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
@@ -80,11 +82,13 @@ def test_every_epilogue_matches_fp32_reference(chain: str, dtype: str, layout: s
     if layout == "kn" and chain not in ("bias@0;gelu_erf", "scale:0.5;residual@0"):
         pytest.skip("the [K, N] weight layout is covered by two chains")
     spec = EpilogueSpec.parse(f"w={layout};{chain};out={dtype}")
+    configs = [CONFIG, CONFIG_RTMA] if "residual" in chain else [CONFIG]
     for m, n, k in SHAPES:
         a, b, gen = _inputs(m, n, k, DTYPES[dtype], layout)
         ops = _operands(spec, m, n, DTYPES[dtype], gen)
-        out = _run(spec, a, b, ops)
-        _check(out, reference_fused_gemm(a, b, ops, spec), DTYPES[dtype])
+        ref = reference_fused_gemm(a, b, ops, spec)
+        for config in configs:
+            _check(_run(spec, a, b, ops, config), ref, DTYPES[dtype])
 
 
 def test_plain_gemm_matches_torch_mm() -> None:

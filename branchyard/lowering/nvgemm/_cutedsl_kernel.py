@@ -46,6 +46,11 @@ def build_kernel_class() -> type:
             self.threads = config.threads
             self.epi_tile = config.epi_tile
             self.acc_dtype = cutlass.Float32
+            # Index of the [M, N] operand brought in by TMA (the first one), if any.
+            mats = [s.index for s in steps if s.operand == "mat"]
+            # It lands in the B ring: stages * tile_n * 64 elements must hold tile_m * tile_n.
+            fits = config.ab_stages() * TILE_K >= config.tile_m
+            self.tma_mat = mats[0] if config.residual_tma and mats and fits else None
 
         # ------------------------------------------------------------------ host
         @cute.jit
@@ -80,6 +85,24 @@ def build_kernel_class() -> type:
                 self.epi_tile,
             )
 
+            # Residual by TMA: the first [M, N] operand is brought into shared memory
+            # (aliasing the B ring, free once the K loop is done) with one bulk copy
+            # instead of per-element global gathers.
+            tma_r, gR, sR_layout = tma_c, gC, sC_layout  # placeholders when unused
+            if cutlass.const_expr(self.tma_mat is not None):
+                mR = operands[self.tma_mat]
+                sR_layout = sm90.make_smem_layout_epi(
+                    mR.element_type, utils.LayoutEnum.from_tensor(mR), (self.tile_mnk[0], self.tile_mnk[1]), 1
+                )
+                tma_r, gR = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                    mR,
+                    cute.slice_(sR_layout, (None, None, 0)),
+                    (self.tile_mnk[0], self.tile_mnk[1]),
+                )
+                self.r_dtype = mR.element_type
+                self.r_bytes = cute.size_in_bytes(mR.element_type, cute.slice_(sR_layout, (None, None, 0)))
+
             tiles_m = (mC.shape[0] + self.tile_mnk[0] - 1) // self.tile_mnk[0]
             tiles_n = (mC.shape[1] + self.tile_mnk[1] - 1) // self.tile_mnk[1]
             cm, cn = self.cluster_mn
@@ -88,6 +111,7 @@ def build_kernel_class() -> type:
             @cute.struct
             class Storage:
                 full_empty: cute.struct.MemRange[cutlass.Int64, stages * 2]
+                res_full: cute.struct.MemRange[cutlass.Int64, 1]
                 sA: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sA_layout)], 1024]
                 sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sB_layout)], 1024]
                 sC: cute.struct.Align[cute.struct.MemRange[c_dtype, cute.cosize(sC_layout)], 1024]
@@ -97,7 +121,8 @@ def build_kernel_class() -> type:
             self.stages = stages
             self.c_layout = c_layout
             self.kernel(
-                tma_a, gA, tma_b, gB, tma_c, gC, mC, operands, tiled_mma, sA_layout, sB_layout, sC_layout
+                tma_a, gA, tma_b, gB, tma_c, gC, mC, operands, tiled_mma, sA_layout, sB_layout, sC_layout,
+                tma_r, gR, sR_layout,
             ).launch(
                 grid=grid,
                 block=[self.threads, 1, 1],
@@ -132,6 +157,9 @@ def build_kernel_class() -> type:
             sA_layout: cute.ComposedLayout,
             sB_layout: cute.ComposedLayout,
             sC_layout: cute.ComposedLayout,
+            tma_r: cute.CopyAtom,
+            gR_full: cute.Tensor,
+            sR_layout: cute.ComposedLayout,
         ):
             tidx, _, _ = cute.arch.thread_idx()
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -186,6 +214,12 @@ def build_kernel_class() -> type:
                 cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
                 defer_sync=True,
             )
+            res_bar = storage.res_full.data_ptr()
+            if cutlass.const_expr(self.tma_mat is not None):
+                if warp_idx == 0:
+                    cute.nvgpu.cpasync.prefetch_descriptor(tma_r)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_init(res_bar, 1)
             pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
             # ---- global tiles and their TMA / MMA partitions
@@ -260,14 +294,39 @@ def build_kernel_class() -> type:
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
 
+            # ---- residual tile -> shared memory (one TMA copy; out-of-range rows read as 0)
+            sR = None
+            if cutlass.const_expr(self.tma_mat is not None):
+                # Every warpgroup's last wgmma has read the ring before TMA overwrites it.
+                cute.arch.sync_threads()
+                sR_staged = cute.make_tensor(
+                    cute.recast_ptr(sB.iterator, sR_layout.inner, dtype=self.r_dtype), sR_layout.outer
+                )
+                gR = cute.local_tile(gR_full, self.tile_mnk, tile_coord, proj=(1, 1, None))
+                tRsR, tRgR = cute.nvgpu.cpasync.tma_partition(
+                    tma_r,
+                    0,
+                    cute.make_layout(1),
+                    cute.group_modes(sR_staged, 0, 2),
+                    cute.zipped_divide(gR, (self.tile_mnk[0], self.tile_mnk[1])),
+                )
+                if warp_idx == 0:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(res_bar, self.r_bytes)
+                    cute.copy(tma_r, tRgR[(None, 0)], tRsR[(None, 0)], tma_bar_ptr=res_bar)
+                cute.arch.mbarrier_wait(res_bar, 0)
+                sR = sR_staged[(None, None, 0)]
+
             # ---- epilogue in registers
             if cutlass.const_expr(len(self.steps) > 0):
                 # Per-thread slice: thr_mma (sliced per warpgroup, as wgmma wants for A/B)
                 # would give every thread the coordinates of its warpgroup's thread 0.
-                coords = tiled_mma.get_slice(tidx).partition_C(
+                thr_c = tiled_mma.get_slice(tidx)
+                coords = thr_c.partition_C(
                     cute.local_tile(cute.make_identity_tensor(mC.shape), self.tile_mnk, tile_coord, proj=(1, 1, None))
                 )
-                self._apply_steps(acc, coords, operands, mC.shape[0] - 1, mC.shape[1] - 1)
+                local = thr_c.partition_C(cute.make_identity_tensor((self.tile_mnk[0], self.tile_mnk[1])))
+                self._apply_steps(acc, coords, local, sR, operands, mC.shape[0] - 1, mC.shape[1] - 1)
 
             # ---- cast, registers -> smem (stmatrix) -> global (TMA), one epi sub-tile at a time
             c_dtype = mC.element_type
@@ -317,7 +376,7 @@ def build_kernel_class() -> type:
             cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
             ring.producer_commit(state)
 
-        def _apply_steps(self, acc, coords, operands, m_last, n_last):
+        def _apply_steps(self, acc, coords, local, sR, operands, m_last, n_last):
             """Trace-time unrolled: gather operands by (row, col), run the formulas in fp32.
 
             The fragment is processed ``_CHUNK`` elements at a time so that the
@@ -339,6 +398,11 @@ def build_kernel_class() -> type:
                         x = step.fn(x, m)
                     elif step.operand == "scalar":
                         x = step.fn(x, step.value, m)
+                    elif step.operand == "mat" and step.index == self.tma_mat:
+                        gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+                        for j in range(chunk):
+                            gathered[j] = sR[local[start + j]].to(cutlass.Float32)
+                        x = step.fn(x, gathered.load(), m)
                     else:
                         src = operands[step.index]
                         gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)

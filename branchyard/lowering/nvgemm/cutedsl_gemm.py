@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -138,7 +139,10 @@ class GemmConfig:
     B along M); ``occupancy`` is how many CTAs per SM the shared-memory stage
     count is sized for (2 lets one CTA's epilogue overlap another's main loop).
     ``raster_group`` is how many cluster rows are walked together so that
-    CTAs running at the same time share B tiles in L2.
+    CTAs running at the same time share B tiles in L2. ``residual_tma`` brings
+    the first ``[M, N]`` operand into shared memory with one TMA copy after the
+    K loop (into the then idle B ring) instead of gathering it element by
+    element from global memory (no effect on chains without one).
     """
 
     tile_m: int = 128
@@ -147,6 +151,7 @@ class GemmConfig:
     cluster_n: int = 1
     occupancy: int = 1
     raster_group: int = 8
+    residual_tma: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -199,20 +204,29 @@ class GemmConfig:
     @property
     def name(self) -> str:
         """Short stable name, used in logs and in the autotuner's database."""
-        return f"t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_o{self.occupancy}"
+        tail = "_rtma" if self.residual_tma else ""
+        return f"t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_o{self.occupancy}{tail}"
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: Any) -> list[GemmConfig]:
     """The configs worth timing for an ``[m, k] @ [k, n]`` GEMM of ``dtype``.
 
-    Small M gets 64-row tiles and narrower N tiles (more CTAs on the SMs);
+    Every config has ``residual_tma`` on unless the environment sets
+    ``BRANCHYARD_NVGEMM_RESIDUAL_TMA=0``. Small M gets 64-row tiles and narrower N tiles (more CTAs on the SMs);
     large M gets the wide 128x256 two-warpgroup tile, alone or in 2-CTA
     clusters that halve L2 traffic for A or B, and a 128x128 tile. Fastest
     first (as measured), so a caller that times only the first few loses little.
 
         >>> [c.name for c in candidate_configs(1, 4096, 4096, "float16")][:2]
-        ['t64x64_c1x1_o1', 't64x128_c1x1_o1']
+        ['t64x64_c1x1_o1_rtma', 't64x128_c1x1_o1_rtma']
     """
+    configs = _candidate_configs(m)
+    if os.environ.get("BRANCHYARD_NVGEMM_RESIDUAL_TMA", "1") != "0":
+        configs = [dataclasses.replace(c, residual_tma=True) for c in configs]
+    return configs
+
+
+def _candidate_configs(m: int) -> list[GemmConfig]:
     if m <= 64:
         return [
             GemmConfig(64, 64),

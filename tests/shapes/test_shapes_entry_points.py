@@ -432,3 +432,28 @@ def test_checked_module_validates_before_torchs_guards():
         m(*derived_args(4, 2, 16)[:4], 14)
     with pytest.raises(ShapeSpecError, match="not made by branchyard.shapes.export"):
         shapes.checked_module(torch.export.export(_Add3(), ARGS3))
+
+
+@pytest.mark.parametrize("round_trip", ["json", "dim"])
+def test_round_tripped_spec_drives_every_entry_point_the_same(round_trip):
+    spec = ShapesSpec({"x": (batch, 4), "y": (2 * batch, 4), "s": (seq,)})
+
+    def f(x, y, s):
+        return torch.cat([x, x]) + y, s * 2
+
+    args = (torch.randn(3, 4), torch.randn(6, 4), torch.randn(16))
+    if round_trip == "json":
+        back = ShapesSpec.from_json(spec.to_json())
+    else:
+        back = ShapesSpec.from_dynamic_shapes(spec.to_dynamic_shapes(), example_inputs=dict(zip("xys", args)))
+    assert back == spec
+    for s in (spec, back):
+        ep = shapes.export(f, args, spec=s)
+        gm = shapes.make_fx(f, spec=s)(*args)
+        assert (len(ep.range_constraints), n_asserts(ep.graph_module)) == (2, 6)
+        assert (len(input_symbols(gm)), n_asserts(gm)) == (2, 6)
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(f, spec=back, backend=counter)
+    for b in (2, 9):
+        compiled(torch.randn(b, 4), torch.randn(2 * b, 4), torch.randn(24))
+    assert counter.frame_count == 1

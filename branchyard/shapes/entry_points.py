@@ -150,6 +150,8 @@ def export(
     if "dynamic_shapes" in export_kwargs:
         raise ShapeSpecError("pass the shapes as spec=, not dynamic_shapes=")
     mod = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
+    if isinstance(args, torch.Tensor):  # export(f, x): one example input, not a tuple of rows
+        args = (args,)
     binding = bind(spec, mod, tuple(args), kwargs)
     inputs = make_symbolic_inputs(spec, binding, export=True)
     scalars = [leaf for leaf in binding.leaves if isinstance(leaf.entry, ScalarEntry) and isinstance(leaf.entry.dim, DimExpr)]
@@ -403,6 +405,12 @@ class SpecCompiled:
             if diagnosis is None:
                 raise
             raise diagnosis from err
+
+    def __getattr__(self, name: str) -> Any:
+        # a compiled module still answers .parameters(), .state_dict(), ...
+        if name in ("fn", "spec", "compiled", "validate", "_signature"):
+            raise AttributeError(name)
+        return getattr(self.compiled, name)
 
     def _diagnose(self, args: tuple, kwargs: dict) -> BaseException | None:
         from branchyard.errors import DataDependentShapeError

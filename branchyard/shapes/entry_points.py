@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from branchyard.errors import ShapeSpecError
-from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, SPEC_ATTR, get_spec
+from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
 from branchyard.shapes.graph_checks import insert_dim_checks, insert_runtime_asserts, shared_symbol_bindings
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, to_torch_spec

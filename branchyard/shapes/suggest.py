@@ -5,7 +5,7 @@ Semantics, as Python::
     slots = every tensor dim and int argument of the call, the same in every set
     dynamic = slots whose value differs between sets
     group dynamic slots by their value vector; each group is one ShapeVar,
-        unless its vector is a*w + b or w1*w2 of earlier vars' vectors (derived)
+        unless its vector is a*w + b or w1*w2 of other vars' vectors (derived)
     ShapeVar range = [min seen, max seen]; multiple_of = gcd of the values seen
 
 A relation needs evidence: with two sets only *equal* dims share a var
@@ -32,7 +32,6 @@ model must accept; the observed range is only what the examples showed.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 from typing import Any, Callable, Iterator

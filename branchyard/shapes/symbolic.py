@@ -26,7 +26,7 @@ import sympy
 import torch
 
 from branchyard.errors import ShapeSpecError
-from branchyard.shapes.shape_var import DimExpr, ShapeVar
+from branchyard.shapes.shape_var import DimExpr
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.validation import Binding, Leaf
 

@@ -307,6 +307,7 @@ def test_cutedsl_candidates_use_the_disk_kernel_cache_when_the_kernel_module_can
         impl = cand.build(problem)
         out = torch.empty(8, 16)
         torch.testing.assert_close(impl(a, b, ops, out), torch.relu(a @ b + ops[0]))
+    at._kernel_cache.cache_clear()  # do not leave a cache rooted in tmp_path behind
     assert exported == [names[0].removeprefix("cutedsl:")], "the second build loads from disk"
     (entry,) = (tmp_path / "nvgemm" / "kernels").iterdir()
     assert (entry / "kernel.bin").read_text() == f"w=kn;bias@0;relu;out=float32|{exported[0]}|kn"

@@ -41,7 +41,7 @@ from branchyard.errors import ShapeSpecError
 from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
 from branchyard.shapes.graph_checks import insert_dim_checks, insert_runtime_asserts, shared_symbol_bindings
-from branchyard.shapes.interop import HAS_NATIVE_SPEC, to_torch_spec
+from branchyard.shapes.interop import HAS_NATIVE_SPEC, compiles_through_wrapper, to_torch_spec
 from branchyard.shapes.shape_var import DimExpr
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
@@ -450,7 +450,14 @@ def compile(
     # hide a data-dependent branch on a declared dim instead of reporting it.
     compile_kwargs.setdefault("fullgraph", True)
     attached_native = getattr(fn.forward if isinstance(fn, torch.nn.Module) else fn, NATIVE_SPEC_ATTR, None)
-    if attached_native is None:
-        compile_kwargs["dynamic_shapes"] = to_torch_spec(spec, fn)
-    compiled = torch.compile(fn, **compile_kwargs)
+    if compiles_through_wrapper(fn):
+        # Dynamo traces inner(*args, **kwargs): key the spec by position, and
+        # hide the by-name spec @dynamic_spec attached, which torch would prefer
+        compile_kwargs["dynamic_shapes"] = to_torch_spec(spec, fn, by_position=True)
+        with _without_native_spec(fn):
+            compiled = torch.compile(fn, **compile_kwargs)
+    else:
+        if attached_native is None:
+            compile_kwargs["dynamic_shapes"] = to_torch_spec(spec, fn)
+        compiled = torch.compile(fn, **compile_kwargs)
     return SpecCompiled(fn, spec, compiled, validate)

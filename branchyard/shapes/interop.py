@@ -41,7 +41,7 @@ from branchyard.errors import ShapeSpecError
 from branchyard.shapes.shape_var import DimExpr, ShapeVar
 from branchyard.shapes.spec import Entry, MapEntry, ScalarEntry, SeqEntry, ShapesSpec, TensorEntry
 
-__all__ = ["HAS_NATIVE_SPEC", "to_torch_spec", "to_dynamic_shapes", "from_dynamic_shapes"]
+__all__ = ["HAS_NATIVE_SPEC", "to_torch_spec", "compiles_through_wrapper", "to_dynamic_shapes", "from_dynamic_shapes"]
 
 
 def _has_native_spec() -> bool:
@@ -70,8 +70,14 @@ def _variadic_names(fn: Any) -> dict[str, str]:
     return out
 
 
-def to_torch_spec(spec: ShapesSpec, fn: Any = None) -> Any:
-    """torch's native ``ShapesSpec`` for ``spec`` (``fn`` names ``*args``/``**kwargs`` params)."""
+def to_torch_spec(spec: ShapesSpec, fn: Any = None, *, by_position: bool = False) -> Any:
+    """torch's native ``ShapesSpec`` for ``spec`` (``fn`` names ``*args``/``**kwargs`` params).
+
+    ``by_position=True`` keys the entries the way a frame ``inner(*args,
+    **kwargs)`` sees them -- ``"*args"`` in ``fn``'s parameter order and
+    ``"**kwargs"`` by name -- for modules Dynamo compiles through such a
+    wrapper (see :func:`compiles_through_wrapper`).
+    """
     if not HAS_NATIVE_SPEC:
         raise ShapeSpecError(
             f"torch {torch.__version__} has no torch.fx.experimental.dynamic_spec",
@@ -95,6 +101,20 @@ def to_torch_spec(spec: ShapesSpec, fn: Any = None) -> Any:
             return native.SeqSpec([entry(x) for x in e.items])
         return native.DictSpec({k: entry(x) for k, x in e.items})
 
+    assumptions = [tvars[n] % v.multiple_of == 0 for n, v in spec.vars.items() if v.multiple_of > 1]
+    if by_position:
+        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        names = [
+            p.name
+            for p in inspect.signature(target).parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) and p.name != "self"
+        ]
+        used = [n for n in names if n in spec.params]
+        positional = [entry(spec.params.get(n)) for n in names[: names.index(used[-1]) + 1]] if used else []
+        by_name = {n: entry(e) for n, e in spec.params.items()}
+        params_pos = {"*args": positional, "**kwargs": by_name}
+        return native.ShapesSpec(native.ParamsSpec(params_pos), assumptions=assumptions or None)
+
     renames = _variadic_names(fn)
     params: dict[str, Any] = {}
     for name, e in spec.params.items():
@@ -105,8 +125,23 @@ def to_torch_spec(spec: ShapesSpec, fn: Any = None) -> Any:
             params[key] = dict(entry(e)._entries) if isinstance(e, MapEntry) else {}
         else:
             params[key] = entry(e)
-    assumptions = [tvars[n] % v.multiple_of == 0 for n, v in spec.vars.items() if v.multiple_of > 1]
     return native.ShapesSpec(native.ParamsSpec(params), assumptions=assumptions or None)
+
+
+def compiles_through_wrapper(fn: Any) -> bool:
+    """Whether ``torch.compile(fn)`` traces a frame ``inner(*args, **kwargs)``
+    instead of ``forward`` (torch.nn modules whose ``forward`` Dynamo's trace
+    rules skip, e.g. ``nn.TransformerEncoderLayer``): parameter names then
+    mean nothing to the spec lookup, positions do."""
+    if not isinstance(fn, torch.nn.Module):
+        return False
+    try:
+        from torch._dynamo import config
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return False
+    check = getattr(OptimizedModule, "_forward_has_skip_rule", None)
+    return bool(getattr(config, "wrap_top_frame", False) or (check is not None and check(fn)))
 
 
 def to_dynamic_shapes(spec: ShapesSpec, fn: Any = None) -> dict[str, Any]:

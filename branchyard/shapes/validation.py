@@ -162,8 +162,15 @@ def bind(
         arguments = sig.bind(*args, **(kwargs or {}))
     except TypeError as e:
         raise SpecViolationError(f"arguments do not match the signature {sig}: {e}") from e
-    arguments.apply_defaults()
-    leaves = [leaf for name, entry in spec.params.items() for leaf in _iter_leaves(entry, arguments.arguments[name], name, (name,))]
+    # Check defaults too, but keep ``arguments`` as passed: a traced program
+    # takes the inputs the caller gave, not every defaulted parameter.
+    with_defaults = sig.bind(*args, **(kwargs or {}))
+    with_defaults.apply_defaults()
+    leaves = [
+        leaf
+        for name, entry in spec.params.items()
+        for leaf in _iter_leaves(entry, with_defaults.arguments[name], name, (name,))
+    ]
     binding = Binding(arguments, leaves)
     derived: list[tuple[str, DimExpr, int, str]] = []
     # tensor leaves first: a var appearing bare in a tensor is anchored there,

@@ -473,3 +473,27 @@ def test_under_compile_dynamo_ties_per_input_symbols_to_one_by_replacement():
     shapes.compile(add3, spec=SHARED, backend=backend)(*ARGS3)
     assert seen["replacements"] == {"u1": "u0", "u2": "u0"}
     assert seen["asserts"] == 8  # the Dynamo graph still checks each input's range (torch's behaviour)
+
+
+def test_torch_nn_transformer_layer_in_all_entry_points():
+    """nn.TransformerEncoderLayer: Dynamo compiles it through a wrapper frame
+    inner(*args, **kwargs), where spec keys by name would match nothing and every
+    size would recompile; shapes.compile keys the spec by position there."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0).eval()
+    seq_len = ShapeVar("seq", min=8, max=256, multiple_of=8)
+    spec = {"src": (batch, seq_len, 16)}
+    x = torch.randn(3, 16, 16)
+    ep = shapes.export(layer, (x,), spec=spec)
+    assert len(ep.range_constraints) == 2
+    gm = shapes.make_fx(layer, spec=spec)(x)
+    assert len(input_symbols(gm)) == 2
+    counter = CompileCounterWithBackend("eager")
+    compiled = shapes.compile(layer, spec=spec, backend=counter)
+    with torch.no_grad():
+        for b, s in [(2, 8), (5, 24), (3, 40)]:
+            xb = torch.randn(b, s, 16)
+            expected = layer(xb)
+            for got in (ep.module()(xb), gm(xb), compiled(xb)):
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert counter.frame_count == 1

@@ -145,6 +145,7 @@ class ControlSite:
     labels: list[str]
     inputs: set[int] = field(default_factory=set)
     constants: set[float] = field(default_factory=set)
+    thresholds: set[float] = field(default_factory=set)
     num_branches: int = 2
 
 
@@ -178,15 +179,22 @@ def _numbers(args: Any) -> Iterable[float]:
             yield leaf
 
 
-def _slice(start: Any, chain: tuple) -> tuple[set[int], set[float]]:
-    """Top-level placeholder positions and constants the value ``start``
-    depends on. ``chain`` is ((hop node, parent chain), ...) leading from the
-    graph of ``start`` out to the top-level graph."""
+#: Comparisons whose scalar operand is a threshold worth driving a float input to.
+_COMPARISONS = {
+    getattr(torch.ops.aten, name).Scalar for name in ("eq", "ne", "lt", "le", "gt", "ge")
+} | {operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge}
+
+
+def _slice(start: Any, chain: tuple) -> tuple[set[int], set[float], set[float]]:
+    """Top-level placeholder positions, constants and comparison thresholds
+    the value ``start`` depends on. ``chain`` is (hop node, parent chain)
+    leading from the graph of ``start`` out to the top-level graph: a
+    placeholder of a branch continues at the matching operand of its hop."""
     inputs: set[int] = set()
     consts: set[float] = set()
+    thresholds: set[float] = set()
     seen: set[tuple[int, int]] = set()
     work = [(start, chain)] if isinstance(start, Node) else []
-    consts.update(_numbers(start) if not isinstance(start, Node) else ())
     while work:
         node, ch = work.pop()
         key = (id(node), id(ch))
@@ -203,9 +211,12 @@ def _slice(start: Any, chain: tuple) -> tuple[set[int], set[float]]:
             if pos < len(ops) and isinstance(ops[pos], Node):
                 work.append((ops[pos], parent))
             continue
-        consts.update(_numbers((node.args, node.kwargs)))
+        numbers = set(_numbers((node.args, node.kwargs)))
+        consts |= numbers
+        if node.target in _COMPARISONS:
+            thresholds |= numbers
         work.extend((n, ch) for n in node.all_input_nodes if n.op != "get_attr")
-    return inputs, consts
+    return inputs, consts, thresholds
 
 
 def find_control_sites(gm: GraphModule) -> list[ControlSite]:
@@ -225,9 +236,9 @@ def find_control_sites(gm: GraphModule) -> list[ControlSite]:
                 if raw is not None:
                     labels += ["below range", "above range"]
                     decision = raw
-            inputs, consts = _slice(decision, chain)
+            inputs, consts, thresholds = _slice(decision, chain)
             sites.append(ControlSite(site, "cond" if node.target is _COND else "switch", node, labels,
-                                     inputs, consts, len(branches)))
+                                     inputs, consts, thresholds, len(branches)))
             for label, sub in branches:
                 walk(sub, f"{site}[{label}]/", (node, chain))
 
@@ -353,8 +364,14 @@ def _int_range(dtype: torch.dtype) -> tuple[int, int]:
     return info.min, info.max
 
 
-def _variants(v: Any, consts: set[float], switch_sizes: set[int]) -> tuple[list[_Variant], list[_Variant]]:
-    """(core, extended) variants of one control input's example value ``v``."""
+def _variants(v: Any, consts: set[float], thresholds: set[float],
+              switch_sizes: set[int]) -> tuple[list[_Variant], list[_Variant]]:
+    """(core, extended) variants of one control input's example value ``v``.
+
+    Integers: every constant of the decision's slice (an index is shifted,
+    clamped or wrapped by them), both neighbours of every comparison
+    threshold, every switch index, -1, n and far out of range. Floats: sign flips, the comparison thresholds and
+    +-0.5 around them; scaled copies and zeros as the extension."""
     if not isinstance(v, torch.Tensor):
         return [_Variant(repr(v), v)], []
     if v.dtype == torch.bool:
@@ -366,7 +383,9 @@ def _variants(v: Any, consts: set[float], switch_sizes: set[int]) -> tuple[list[
         lo, hi = _int_range(v.dtype)
         if v.numel() == 1:
             ints = {int(v.item())}
-            for c in consts:
+            for c in consts:  # offsets, clamp bounds, moduli: the value itself
+                ints.update({math.floor(c), math.ceil(c)})
+            for c in thresholds:  # compared against: both sides of it too
                 ints.update({math.floor(c) - 1, math.floor(c), math.ceil(c), math.ceil(c) + 1})
             for n in switch_sizes:
                 ints.update(range(-1, n + 1))
@@ -377,7 +396,7 @@ def _variants(v: Any, consts: set[float], switch_sizes: set[int]) -> tuple[list[
                 _Variant("x+1", v + 1)]
         return core, [_Variant("x*3", v * 3)]
     core = [_Variant("x", v), _Variant("-x", -v)]
-    for c in sorted(consts)[:6]:
+    for c in sorted(thresholds)[:4]:
         for d in (-0.5, 0.0, 0.5):
             core.append(_Variant(f"all {c + d:g}", torch.full_like(v, c + d)))
     ext = [_Variant("x*3", v * 3), _Variant("x*-3", v * -3), _Variant("x/3", v / 3), _Variant("x/-3", v / -3),
@@ -404,6 +423,20 @@ def _combinations(choices: list[list[_Variant]], limit: int, rng: random.Random,
             seen.add(key)
             out.append(combo)
     return out
+
+
+def _search_order(choices: list[list[_Variant]], limit: int, rng: random.Random) -> Iterable[tuple[_Variant, ...]]:
+    """Up to ``limit`` combinations in random order: all of them shuffled when
+    they fit, else independent random draws. Random order finds a rare
+    combination far sooner than walking the product lexicographically."""
+    total = math.prod(len(c) for c in choices)
+    if total <= limit:
+        combos = list(itertools.product(*choices))
+        rng.shuffle(combos)
+        yield from combos
+        return
+    for _ in range(limit):
+        yield tuple(rng.choice(c) for c in choices)
 
 
 # ---------------------------------------------------------------------------
@@ -468,9 +501,7 @@ class EquivalenceReport:
         return "\n".join(lines)
 
 
-def _describe(names: list[str], choice: dict[int, _Variant] | None, label: str) -> str:
-    if choice is None:
-        return label
+def _describe(names: list[str], choice: dict[int, _Variant]) -> str:
     return ", ".join(f"{names[i]}={v.label}" for i, v in sorted(choice.items())) or "example inputs"
 
 
@@ -484,6 +515,7 @@ def assert_equivalent(
     atol: float = 1e-5,
     check_coverage: bool = True,
     max_input_sets: int = 512,
+    max_search: int = 20_000,
     seed: int = 0,
 ) -> EquivalenceReport:
     """Assert that ``after`` computes what ``before`` computes on every path.
@@ -494,8 +526,10 @@ def assert_equivalent(
     paths are recorded for every graph argument. ``example_inputs`` is the
     positional argument tuple; inputs that feed no decision keep these values.
     ``input_sets``: extra argument tuples to compare on as well.
-    ``max_input_sets`` caps the driven combinations (sampled, every value of
-    every control input still used) per driving round.
+    ``max_input_sets`` caps the first round of driven combinations (beyond
+    it they are sampled, every value of every control input still used);
+    while a branch stays undriven, up to ``max_search`` further combinations
+    (scaled copies included) are tried until it is reached.
 
     Raises :class:`~branchyard.errors.EquivalenceError` on the first
     disagreement, naming the inputs, the path each program took and the first
@@ -517,11 +551,12 @@ def assert_equivalent(
             hint="pass the positional arguments the program is called with",
         )
 
-    control: dict[int, tuple[set[float], set[int]]] = {}
+    control: dict[int, tuple[set[float], set[float], set[int]]] = {}
     for s in sites:
         for i in s.inputs:
-            consts, sizes = control.setdefault(i, (set(), set()))
+            consts, thresholds, sizes = control.setdefault(i, (set(), set(), set()))
             consts.update(s.constants)
+            thresholds.update(s.thresholds)
             if s.kind == "switch":
                 sizes.add(s.num_branches)
     order = sorted(control)
@@ -566,19 +601,28 @@ def assert_equivalent(
             err.path_before, err.path_after, err.difference = path_b, path_a, problem
             raise err
 
-    def drive(choices: list[list[_Variant]], done: set[tuple[str, ...]]) -> None:
-        for combo in _combinations(choices, max_input_sets, rng, done):
-            done.add(tuple(v.label for v in combo))
-            leaves = list(flat)
-            for i, v in zip(order, combo):
-                leaves[i] = v.value
-            compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo)), ""))
+    def run_combo(combo: tuple[_Variant, ...]) -> None:
+        done.add(tuple(v.label for v in combo))
+        leaves = list(flat)
+        for i, v in zip(order, combo):
+            leaves[i] = v.value
+        compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo))))
 
     done: set[tuple[str, ...]] = set()
     if order:
-        drive([core for core, _ in core_ext], done)
-        if required - covered and any(ext for _, ext in core_ext):
-            drive([core + ext for core, ext in core_ext], done)
+        # Round 1: every combination of the core values (a covering sample
+        # when there are too many).
+        for combo in _combinations([core for core, _ in core_ext], max_input_sets, rng, done):
+            run_combo(combo)
+        # Round 2, only while some branch is still undriven: walk all
+        # combinations of core and extended values until it is reached.
+        if required - covered:
+            full = [core + ext for core, ext in core_ext]
+            for combo in _search_order(full, max_search, rng):
+                if not required - covered:
+                    break
+                if tuple(v.label for v in combo) not in done:
+                    run_combo(combo)
     else:
         compare(example, "example inputs")
     for k, args in enumerate(input_sets):

@@ -27,10 +27,12 @@ Kernel shape (``docs/nvgemm_kernel.md`` has the design notes and figures):
 * A and B tiles arrive by TMA into a ring of shared-memory stages guarded by
   mbarriers (producer: warp 0; consumers: every warpgroup issuing ``wgmma``);
 * epilogue: per-column operands (bias, column scale) are gathered by the column
-  index of each accumulator element, matrix operands (residual) by (row, col),
-  then the formulas of the shared epilogue table run on the fragment as fp32
-  vectors; the result is cast, written to shared memory with ``stmatrix`` and
-  stored by TMA (which clips the ragged M/N edges).
+  index of each accumulator element; the first matrix operand (residual) is
+  copied into shared memory by one TMA load after the K loop
+  (``GemmConfig.residual_tma``; other matrix operands are gathered by
+  (row, col)); the formulas of the shared epilogue table run on the fragment
+  as fp32 vectors; the result is cast, written to shared memory with
+  ``stmatrix`` and stored by TMA (which clips the ragged M/N edges).
 
 Layouts taken: ``a`` row-major ``[M, K]``; ``b`` the logical ``[K, N]`` operand,
 either a row-major ``[K, N]`` tensor (``b_layout="kn"``) or the transpose view of
@@ -56,7 +58,7 @@ import functools
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from branchyard.errors import LoweringError
 

@@ -295,11 +295,16 @@ def _make_inductor_pass() -> Callable[[torch.fx.Graph], None]:
         cache graphs compiled with it.
         """
 
+        #: The report of the most recent run (Inductor discards the pass result).
+        last_report: Any = None
+
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
             if gm is None:
                 raise BranchyardError("pre-grad graph has no owning GraphModule; cannot reach its cond subgraphs")
-            CondToSwitch()(gm)
+            p = CondToSwitch()
+            p(gm)
+            self.last_report = p.report
 
         def uuid(self) -> str:
             return _source_hash()

@@ -1,0 +1,156 @@
+"""switch_to_cond: the reverse lowering, clamping reproduced, structure, errors."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch._higher_order_ops import switch
+
+from branchyard.errors import MalformedGraphError
+from branchyard.passes import SwitchToCond, get_pass, switch_to_cond
+from branchyard.passes.control_flow import is_cond, is_switch
+
+aten = torch.ops.aten
+X = torch.tensor([0.5, -1.0, 2.0])
+
+
+def all_nodes(gm):
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            yield from m.graph.nodes
+
+
+def n_conds(gm):
+    return sum(is_cond(n) for n in all_nodes(gm))
+
+
+def n_switches(gm):
+    return sum(is_switch(n) for n in all_nodes(gm))
+
+
+def cond_depth(gm) -> int:
+    best = 0
+    for n in gm.graph.nodes:
+        if is_cond(n):
+            subs = [getattr(gm, a.target) for a in n.args[1:3]]
+            best = max(best, 1 + max(cond_depth(s) for s in subs))
+    return best
+
+
+BRANCHES = [lambda x: x + 1, lambda x: x * 2, lambda x: x.sin(), lambda x: x - 7, lambda x: x.exp()]
+
+
+class Switch(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def forward(self, i, x):
+        return switch(i, BRANCHES[: self.n], (x,))
+
+
+def raw_index_switch(n):
+    """An exported switch whose index reaches the op unclamped (as a hand-built graph may)."""
+    ep = torch.export.export(Switch(n), (torch.tensor(0), X))
+    for node in ep.graph.nodes:
+        if node.target is aten.clamp.default:
+            node.replace_all_uses_with(node.args[0])
+            ep.graph.erase_node(node)
+            break
+    ep.graph_module.recompile()
+    return ep
+
+
+def reference(n, i, x):
+    return BRANCHES[min(max(i, 0), n - 1)](x)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_switch_lowers_to_balanced_cond_tree_that_clamps(n):
+    ep = raw_index_switch(n)
+    after = switch_to_cond(ep)
+    gm = after.graph_module
+    assert n_switches(gm) == 0 and n_conds(gm) == n - 1
+    assert cond_depth(gm) == math.ceil(math.log2(n))
+    for i in range(-4, n + 4):
+        torch.testing.assert_close(after.module()(torch.tensor(i), X), reference(n, i, X), msg=f"i={i}")
+
+
+def test_lowered_program_decomposes_and_reexports():
+    ep = switch_to_cond(torch.export.export(Switch(3), (torch.tensor(0), X)))
+    dec = ep.run_decompositions()
+    again = torch.export.export(ep.module(), (torch.tensor(0), X))
+    assert n_switches(again.graph_module) == 0
+    for i in range(-2, 5):
+        for prog in (dec, again):
+            torch.testing.assert_close(prog.module()(torch.tensor(i), X), reference(3, i, X))
+
+
+def test_report_flag_and_idempotence():
+    ep = torch.export.export(Switch(4), (torch.tensor(0), X))
+    gm = copy.deepcopy(ep.graph_module)
+    p = SwitchToCond()
+    assert p(gm).modified
+    assert p.report.stats == {"switches_lowered": 1, "conds_created": 3}
+    code = gm.code
+    q = SwitchToCond()
+    assert not q(gm).modified and gm.code == code
+
+
+def test_graph_without_switch_is_unchanged():
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    p = SwitchToCond()
+    res = p(copy.deepcopy(gm))
+    assert not res.modified and res.graph_module.code == gm.code
+
+
+def test_registered_for_the_cli():
+    assert isinstance(get_pass("switch_to_cond"), SwitchToCond) and SwitchToCond.name == "switch-to-cond"
+
+
+def switch_node(gm):
+    return next(n for n in gm.graph.nodes if is_switch(n))
+
+
+def test_one_branch_switch_is_replaced_by_its_body():
+    ep = torch.export.export(Switch(3), (torch.tensor(0), X))
+    gm = copy.deepcopy(ep.graph_module)
+    node = switch_node(gm)
+    node.args = (node.args[0], node.args[1][2:], node.args[2])
+    after = switch_to_cond(gm)
+    assert n_switches(after) == 0 and n_conds(after) == 0
+    assert aten.sin.default in [n.target for n in after.graph.nodes]
+    torch.testing.assert_close(after(torch.tensor(0), X)[0], X.sin())
+
+
+def test_switch_with_zero_branches_is_rejected():
+    gm = copy.deepcopy(torch.export.export(Switch(3), (torch.tensor(0), X)).graph_module)
+    node = switch_node(gm)
+    node.args = (node.args[0], [], node.args[2])
+    with pytest.raises(MalformedGraphError, match=r"node 'switch'.*zero branches"):
+        switch_to_cond(gm)
+
+
+def test_float_index_is_rejected():
+    gm = copy.deepcopy(torch.export.export(Switch(3), (torch.tensor(0), X)).graph_module)
+    node = switch_node(gm)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "x")
+    with gm.graph.inserting_before(node):
+        f = gm.graph.call_function(aten.sum.default, (x,))
+    f.meta["val"] = x.meta["val"].sum()
+    node.args = (f, *node.args[1:])
+    with pytest.raises(MalformedGraphError, match=r"node 'switch'.*index has dtype torch.float32"):
+        switch_to_cond(gm)
+
+
+def test_branch_outputs_differing_in_dtype_are_rejected():
+    gm = copy.deepcopy(torch.export.export(Switch(3), (torch.tensor(0), X)).graph_module)
+    node = switch_node(gm)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    setattr(gm, node.args[1][1].target, make_fx(lambda x: (x.double(),))(X))
+    with pytest.raises(MalformedGraphError, match=r"node 'switch'.*output 0 is torch.float32 in branch 0 but torch.float64 in branch 1"):
+        switch_to_cond(gm)

@@ -195,6 +195,14 @@ def _lower_switch(gm: GraphModule, node: Node) -> None:
         )
     out_val = node.meta["val"]
     operand_vals = [o.meta["val"] for o in operands]
+    # A branch graph used in several slots gets one copy per extra slot, so
+    # each slot's stand-in can take the extra index input once; the restore
+    # re-shares them by name.
+    seen: set[int] = set()
+    for k, b in enumerate(branches):
+        if id(b) in seen:
+            branches[k] = copy.deepcopy(b)
+        seen.add(id(b))
     for b in branches:
         _add_index_placeholder(b, index_val)
     tag = {
@@ -218,7 +226,7 @@ def _lower_switch(gm: GraphModule, node: Node) -> None:
     _copy_meta(node, cond)
     node.replace_all_uses_with(cond)
     gm.graph.erase_node(node)
-    for b in branch_nodes:
+    for b in dict.fromkeys(branch_nodes):
         if not b.users:
             gm.graph.erase_node(b)
             # The branch graphs now live under the cond's attributes.
@@ -300,11 +308,16 @@ def _restore_switch(gm: GraphModule, cond: Node, tag: dict) -> None:
     names = tag.get("branch_names") or []
     with gm.graph.inserting_before(cond):
         getattrs = []
+        by_name: dict[str, Node] = {}  # slots that shared one branch graph share it again
         for k, b in enumerate(branches):
             want = names[k] if k < len(names) and isinstance(names[k], str) else f"{cond.name}_branch{k}"
+            if want in by_name:
+                getattrs.append(by_name[want])
+                continue
             name = _fresh_attr(gm, want)
             gm.register_module(name, b)
-            getattrs.append(gm.graph.get_attr(name))
+            by_name[want] = gm.graph.get_attr(name)
+            getattrs.append(by_name[want])
         switch = gm.graph.call_function(torch.ops.higher_order.switch, (index, getattrs, operands))
     switch.meta = dict(cond.meta)
     cond.replace_all_uses_with(switch)

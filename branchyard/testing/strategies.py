@@ -39,7 +39,10 @@ from typing import Any, Callable, Union
 
 import torch
 
-__all__ = ["Pred", "Leaf", "Cond", "CondTreeSpec", "cond_tree_specs", "MAX_FLAGS", "MAX_Z", "MAX_IDX"]
+__all__ = [
+    "Pred", "Leaf", "Cond", "CondTreeSpec", "cond_tree_specs",
+    "SwitchSpec", "switch_specs", "MAX_FLAGS", "MAX_Z", "MAX_IDX",
+]
 
 #: How many bool inputs, float predicate inputs, and ``idx == k`` constants trees may use.
 MAX_FLAGS, MAX_Z, MAX_IDX = 3, 2, 4
@@ -206,6 +209,71 @@ class CondTreeModule(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------
+# switch programs (torch's own switch, index clamped by torch)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SwitchSpec:
+    """``switch(idx, [leaf_0 .. leaf_{n-1}], (x,))`` where branch ``inner_at``
+    (if not None) is itself ``switch(jdx, inner, ...)``. Leaves are
+    :class:`Leaf` expressions; their ``outer`` capture is ``x.cos()``
+    computed before the switch. Needs torch >= 2.14 to build."""
+
+    leaves: tuple[Leaf, ...]
+    inner: tuple[Leaf, ...] = ()
+    inner_at: int | None = None
+    shape: tuple[int, ...] = (4,)
+
+    def example_inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, len(self.leaves), (), generator=g), torch.randint(0, 3, (), generator=g),
+                torch.randn(self.shape, generator=g))
+
+    def export(self, seed: int = 0) -> tuple[torch.export.ExportedProgram, tuple[torch.Tensor, ...]]:
+        """The program exported, and example inputs ``(idx, jdx, x)``."""
+        torch._dynamo.reset()
+        inputs = self.example_inputs(seed)
+        return torch.export.export(SwitchModule(self, seed), inputs), inputs
+
+
+class SwitchModule(torch.nn.Module):
+    """A :class:`SwitchSpec` as a module (parameters without grad, as in
+    :class:`CondTreeModule`)."""
+
+    def __init__(self, spec: SwitchSpec, seed: int = 0) -> None:
+        super().__init__()
+        from branchyard._compat import switch_op  # noqa: F401  (clear error on torch < 2.14)
+
+        self.spec = spec
+        g = torch.Generator().manual_seed(20_000 + seed)
+        self.shared = torch.nn.Parameter(torch.randn(spec.shape, generator=g), requires_grad=False)
+        self.register_buffer("buf", torch.randn(spec.shape, generator=g))
+        self.private = torch.nn.Parameter(torch.randn(spec.shape, generator=g), requires_grad=False)
+
+    def _leaf(self, leaf: Leaf, cur: torch.Tensor, outer: torch.Tensor) -> torch.Tensor:
+        v = cur * leaf.scale + leaf.offset
+        table = {"shared": lambda t: t + self.shared, "private": lambda t: t * self.private,
+                 "buffer": lambda t: t - self.buf, "outer": lambda t: t + outer}
+        for cap in leaf.captures:
+            v = table[cap](v)
+        return v
+
+    def forward(self, idx: torch.Tensor, jdx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        from torch._higher_order_ops import switch
+
+        outer = x.cos()
+        s = self.spec
+
+        def branch(k: int) -> Callable:
+            if k == s.inner_at:
+                return lambda t, j: switch(j, [lambda u, lf=lf: self._leaf(lf, u, outer) for lf in s.inner], (t,))
+            return lambda t, j: self._leaf(s.leaves[k], t, outer)
+
+        return switch(idx, [branch(k) for k in range(len(s.leaves))], (x, jdx))
+
+
+# ---------------------------------------------------------------------------
 # hypothesis
 # ---------------------------------------------------------------------------
 
@@ -262,5 +330,26 @@ def cond_tree_specs(max_depth: int = 6, max_conds: int = 8, max_outputs: int = 2
         root = node(0, _PathState())
         shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
         return CondTreeSpec(root, shape, draw(st.integers(1, max_outputs)))
+
+    return specs()
+
+
+def switch_specs(max_branches: int = 6):
+    """Hypothesis strategy of :class:`SwitchSpec`: 2..``max_branches``
+    branches, half of the programs with a nested 2..4-way switch in one
+    branch."""
+    from hypothesis import strategies as st
+
+    scalars = st.sampled_from([-2.0, -1.0, 0.5, 1.0, 1.5, 3.0])
+    leaves = st.builds(Leaf, scalars, scalars, st.lists(st.sampled_from(CAPTURES), max_size=3, unique=True).map(tuple))
+
+    @st.composite
+    def specs(draw):
+        outer = tuple(draw(st.lists(leaves, min_size=2, max_size=max_branches)))
+        if draw(st.booleans()):
+            return SwitchSpec(outer, shape=tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))))
+        inner = tuple(draw(st.lists(leaves, min_size=2, max_size=4)))
+        at = draw(st.integers(0, len(outer) - 1))
+        return SwitchSpec(outer, inner, at, tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=2))))
 
     return specs()

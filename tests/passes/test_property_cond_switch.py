@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 
 from branchyard.passes.infra import iter_graph_modules  # noqa: E402
 from branchyard.testing import assert_equivalent  # noqa: E402
-from branchyard.testing.strategies import Cond, CondTreeSpec, Leaf, Pred, cond_tree_specs  # noqa: E402
+from branchyard.testing.strategies import Cond, CondTreeSpec, Leaf, Pred, cond_tree_specs, switch_specs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_SWITCH, reason="needs torch.ops.higher_order.switch (torch >= 2.14)")
 
@@ -111,3 +111,21 @@ def test_cond_switch_rewrites_preserve_every_path(spec: CondTreeSpec) -> None:
     again = cond_to_switch(lowered)
     assert _nested_conds(again) == []
     assert_equivalent(ep, again, args, max_input_sets=N)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=switch_specs(max_branches=6))
+def test_switch_to_cond_on_torch_switches_preserves_every_index(spec) -> None:
+    """torch's own switch (index clamped by a preceding aten.clamp), possibly
+    nested: switch_to_cond, and cond_to_switch after it, agree with it on
+    every index, including out-of-range ones below and above."""
+    ep, args = spec.export()
+    lowered = switch_to_cond(ep)
+    assert _nodes(lowered, SWITCH) == []
+    report = assert_equivalent(ep, lowered, args, max_input_sets=N)
+    # idx's switch is clamped: below/above range were driven, per switch.
+    assert {label for _, label in report.covered} >= {"below range", "above range"}
+    assert report.covered == report.required
+    back = cond_to_switch(lowered)
+    assert_equivalent(ep, back, args, max_input_sets=N)

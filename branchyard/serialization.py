@@ -51,7 +51,6 @@ import io
 import json
 import operator
 import os
-from dataclasses import dataclass
 from typing import Any, Union
 
 import torch

@@ -370,8 +370,9 @@ def _variants(v: Any, consts: set[float], thresholds: set[float],
 
     Integers: every constant of the decision's slice (an index is shifted,
     clamped or wrapped by them), both neighbours of every comparison
-    threshold, every switch index, -1, n and far out of range. Floats: sign flips, the comparison thresholds and
-    +-0.5 around them; scaled copies and zeros as the extension."""
+    threshold, every switch index, -1, n and far out of range. Floats: sign
+    flips, the comparison thresholds and +-0.5 around them; scaled copies
+    and zeros as the extension."""
     if not isinstance(v, torch.Tensor):
         return [_Variant(repr(v), v)], []
     if v.dtype == torch.bool:

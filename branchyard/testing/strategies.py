@@ -34,7 +34,7 @@ only when it is called, so this module imports without it::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import torch

@@ -225,7 +225,8 @@ def test_default_candidates_and_applicability(monkeypatch):
     a, b, ops = _inputs()
     half = Problem.of(a.half(), b.half(), [o.half() for o in ops], EpilogueSpec.parse("w=kn;bias@0;relu;out=float16"))
     names = [c.name for c in at.default_candidates(half, inductor=True)]
-    assert names[-4:] == ["cublaslt:_addmm_activation", "cublas:addmm", "triton:inductor", "aten:unfused"]
+    assert names[-6:] == ["cublaslt:_addmm_activation", "cublas:addmm", "cublaslt:_addmm_activation+aten",
+                          "cublas:addmm+aten", "triton:inductor", "aten:unfused"]
     assert "triton:inductor" not in [c.name for c in at.default_candidates(half, inductor=False)]
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
     assert "triton:inductor" not in [c.name for c in at.default_candidates(half)]
@@ -395,3 +396,37 @@ def test_inductor_compiles_are_capped_per_process(monkeypatch):
     problem = Problem.of(*_inputs(), SPEC)
     with pytest.raises(LoweringError, match="1 Inductor compiles already made.*BRANCHYARD_NVGEMM_INDUCTOR_MAX"):
         at._inductor_build(problem, "default")
+
+
+
+@pytest.mark.parametrize(
+    "text, lt, addmm",
+    [
+        ("bias@0;gelu_tanh;residual@1", True, True),
+        ("bias@0;relu;cast:float32", True, True),
+        ("bias@0;relu", False, True),            # exact for cuBLASLt: the plain candidate covers it
+        ("scale:0.5;residual@0;tanh", False, True),
+        ("bias@0;gelu_erf;residual@1", False, True),
+        ("silu;residual@0", False, False),
+    ],
+)
+def test_prefix_candidates_fuse_what_cublas_can_and_run_the_rest_unfused(text, lt, addmm, monkeypatch):
+    a, b = torch.randn(8, 32), torch.randn(32, 16)
+    spec = EpilogueSpec.parse(f"w=kn;{text};out=float32")
+    ops = [torch.randn(16) if s.op.operand == "col" else torch.randn(8, 16) for s in spec.steps
+           if s.op.operand in ("col", "matrix")]
+    problem = Problem.of(a, b, ops, spec)
+    cuda = Problem(**{**problem.__dict__, "device": "cuda:0"})
+    cands = {c.name: c for c in at.default_candidates(problem, inductor=False)}
+    assert (cands["cublaslt:_addmm_activation+aten"].applies(cuda) is None) is lt
+    assert (cands["cublas:addmm+aten"].applies(problem) is None) is addmm
+    ref = at.reference_fused_gemm(a, b, ops, spec)
+    if addmm:
+        got = cands["cublas:addmm+aten"].build(problem)(a, b, ops, torch.empty(8, 16))
+        assert at.numerics_error(got, ref, torch.float32) is None
+    if lt and "gelu" not in text:  # on CPU the relu prefix runs; the GELU one refuses (erf form)
+        got = cands["cublaslt:_addmm_activation+aten"].build(problem)(a, b, ops, torch.empty(8, 16))
+        assert at.numerics_error(got, ref, torch.float32) is None
+    elif lt:
+        with pytest.raises(LoweringError, match="erf GELU"):
+            cands["cublaslt:_addmm_activation+aten"].build(problem)

@@ -525,6 +525,72 @@ def _addmm_build(problem: Problem) -> Impl:
     return impl
 
 
+def _rest_spec(spec: EpilogueSpec, start: int) -> EpilogueSpec:
+    """The steps from ``start`` on (operand indices still index the full list)."""
+    return dataclasses.replace(spec, steps=spec.steps[start:])
+
+
+def _operand_dtype_of(problem: Problem, step_index: int) -> torch.dtype:
+    return problem.operand_dtypes[problem.spec.steps[step_index].operand]  # type: ignore[index]
+
+
+def _lt_prefix_applies(problem: Problem) -> str | None:
+    names = problem.spec.names
+    if names[:2] not in _CUBLASLT_CHAINS or len(names) == 2:
+        return "the chain does not start with bias+relu or bias+gelu_tanh followed by more steps"
+    if _operand_dtype_of(problem, 0) != problem.dtype:
+        return "_addmm_activation needs the bias in the input dtype"
+    if not problem.device.startswith("cuda"):
+        return "cuBLASLt runs on CUDA only (the CPU kernel's GELU is the erf form)"
+    return None
+
+
+def _lt_prefix_build(problem: Problem) -> Impl:
+    use_gelu = _CUBLASLT_CHAINS[problem.spec.names[:2]]
+    if use_gelu and _addmm_gelu_form(problem.device, problem.dtype) != "tanh":
+        raise LoweringError(
+            f"_addmm_activation on {problem.device} computes the erf GELU, not the tanh form this chain needs",
+            where="cublaslt prefix candidate",
+        )
+    bias = problem.spec.steps[0].operand
+    rest = _rest_spec(problem.spec, 2)
+
+    def impl(a, b_kn, operands, out):
+        y = torch._addmm_activation(operands[bias], a, b_kn, use_gelu=use_gelu)
+        return unfused_aten_epilogue(y, rest, list(operands))
+
+    return impl
+
+
+def _addmm_prefix(problem: Problem) -> int:
+    """Length of the [scale] + bias|residual prefix addmm can take (0: none)."""
+    names = problem.spec.names
+    start = 1 if names[:1] == ("scale",) else 0
+    return start + 1 if names[start:start + 1] in (("bias",), ("residual",)) else 0
+
+
+def _addmm_prefix_applies(problem: Problem) -> str | None:
+    n = _addmm_prefix(problem)
+    if n == 0 or n == len(problem.spec.names):
+        return "the chain does not start with [scale +] bias or residual followed by more steps"
+    if _operand_dtype_of(problem, n - 1) != problem.dtype:
+        return "addmm needs its C input in the matmul dtype"
+    return None
+
+
+def _addmm_prefix_build(problem: Problem) -> Impl:
+    n = _addmm_prefix(problem)
+    steps = problem.spec.steps
+    alpha = float(steps[0].operand) if n == 2 else 1.0  # type: ignore[arg-type]
+    c = steps[n - 1].operand
+    rest = _rest_spec(problem.spec, n)
+
+    def impl(a, b_kn, operands, out):
+        return unfused_aten_epilogue(torch.addmm(operands[c], a, b_kn, alpha=alpha), rest, list(operands))
+
+    return impl
+
+
 def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     from branchyard.lowering.nvgemm import cutedsl_gemm
 
@@ -629,6 +695,9 @@ def default_candidates(problem: Problem, *, inductor: bool | None = None) -> lis
     out = _cutedsl_candidates(problem) + _cutlass_plain_candidates(problem)
     out.append(Candidate("cublaslt:_addmm_activation", _cublaslt_build, _cublaslt_applies))
     out.append(Candidate("cublas:addmm", _addmm_build, _addmm_applies))
+    # The same cuBLAS epilogues on a prefix of the chain, the rest as ATen ops.
+    out.append(Candidate("cublaslt:_addmm_activation+aten", _lt_prefix_build, _lt_prefix_applies))
+    out.append(Candidate("cublas:addmm+aten", _addmm_prefix_build, _addmm_prefix_applies))
     if inductor:
         mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "max-autotune-no-cudagraphs")
         out.append(Candidate("triton:inductor", functools.partial(_inductor_build, mode=mode)))

@@ -370,7 +370,8 @@ def _variants(v: Any, consts: set[float], thresholds: set[float],
 
     Integers: every constant of the decision's slice (an index is shifted,
     clamped or wrapped by them), both neighbours of every comparison
-    threshold, every switch index, -1, n and far out of range. Floats: sign
+    threshold, every switch index, -1, n, two and three past the smallest
+    and largest of those, and far out of range. Floats: sign
     flips, the comparison thresholds and +-0.5 around them; scaled copies
     and zeros as the extension."""
     if not isinstance(v, torch.Tensor):
@@ -390,7 +391,9 @@ def _variants(v: Any, consts: set[float], thresholds: set[float],
                 ints.update({math.floor(c) - 1, math.floor(c), math.ceil(c), math.ceil(c) + 1})
             for n in switch_sizes:
                 ints.update(range(-1, n + 1))
-                ints.update({-_FAR, _FAR})
+            # Out of range by a little (catches an index wrapped by a modulus
+            # instead of clamped) and by a lot.
+            ints.update({min(ints) - 2, min(ints) - 3, max(ints) + 2, max(ints) + 3, -_FAR, _FAR})
             ints = sorted(i for i in ints if lo <= i <= hi)
             return [_Variant(str(i), torch.full_like(v, i)) for i in ints], []
         core = [_Variant("x", v), _Variant("-x", -v if lo < 0 else v), _Variant("zeros", torch.zeros_like(v)),

@@ -148,6 +148,28 @@ def test_wrong_out_of_range_clamp_is_caught_and_named():
     assert info.value.path_before == (Decision("switch", "switch", "0", raw_index=-1),)
 
 
+class EqChain(torch.nn.Module):
+    """idx == 0 -> x + 1, idx == 1 -> x * 2, anything else -> x - 3."""
+
+    def forward(self, idx, x):
+        def rest(i, a):
+            return torch.cond(i == 1, lambda j, t: t * 2, lambda j, t: t - 3, (i, a))
+
+        return torch.cond(idx == 0, lambda i, a: a + 1, rest, (idx, x))
+
+
+@needs_switch
+def test_index_wrapped_by_modulus_instead_of_clamped_is_caught():
+    class Wrapped(torch.nn.Module):  # right for -1 .. 2 only: wraps -2, -3, 3, ... into range
+        def forward(self, idx, x):
+            return switch(torch.remainder(idx, 3), _branches(), (x,))
+
+    args = (torch.tensor(0), X)
+    chain = _export(EqChain(), *args)
+    with pytest.raises(EquivalenceError, match=r"(?s)inputs \(idx=-3\).*cond -> false, cond\[false\]/cond -> false"):
+        assert_equivalent(chain, _export(Wrapped(), *args), args)
+
+
 def test_wrong_leaf_in_one_nested_branch_is_named():
     args = (torch.tensor(True), torch.tensor(0), X)
     good = _export(Nested(), *args)

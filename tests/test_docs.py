@@ -12,7 +12,7 @@ import pytest
 import torch
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-BLOCK = re.compile(r"(<!--\s*(?P<tag>[\w-]+)(?::[^>]*)?-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
+BLOCK = re.compile(r"(<!--\s*(?P<tag>[\w-]+)(?::[^>]*)?\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S)
 
 
 def _doc_files():

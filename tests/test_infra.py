@@ -103,3 +103,28 @@ def test_pipeline_rejects_non_programs_and_unknown_pass_names():
         get_pass("no_such_pass")
     with pytest.raises(BranchyardError, match="not a torch.fx PassBase"):
         Pipeline([object()])
+
+
+def test_function_form_keeps_placeholder_names_that_shadow_builtins():
+    # nn.Sequential's input is named `input`; a copy must not rename it to
+    # `input_1`, or the ExportedProgram's signature no longer matches.
+    class Noop(BranchyardPass):
+        name = "noop"
+
+        def run(self, gm):
+            return False
+
+    ep = torch.export.export(torch.nn.Sequential(torch.nn.Linear(4, 4)), (torch.randn(2, 4),))
+    out = apply_pass(ep, Noop())
+    assert [n.name for n in out.graph.nodes if n.op == "placeholder"] == [
+        n.name for n in ep.graph.nodes if n.op == "placeholder"
+    ]
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(out.module()(x), ep.module()(x))
+
+
+def test_built_in_passes_are_found_by_cli_name():
+    assert get_pass("nvgemm").name
+    import branchyard.lowering
+
+    assert callable(branchyard.lowering.nvgemm) and callable(branchyard.lowering.cuda_graph)

@@ -171,6 +171,28 @@ def lint_graph_module(gm: GraphModule) -> None:
             ) from exc
 
 
+def _copy_graph_module(gm: GraphModule) -> GraphModule:
+    """Deep copy ``gm`` keeping every node's name.
+
+    ``copy.deepcopy`` re-uniquifies names against Python builtins (``input``
+    becomes ``input_1``), which breaks an ExportedProgram's signature, since
+    that refers to placeholders by name.
+    """
+    new = copy.deepcopy(gm)
+    for qualname, sub in gm.named_modules():
+        if not isinstance(sub, GraphModule):
+            continue
+        new_sub = new.get_submodule(qualname) if qualname else new
+        renamed = False
+        for old_node, new_node in zip(sub.graph.nodes, new_sub.graph.nodes):
+            if new_node.name != old_node.name:
+                new_node.name = old_node.name
+                renamed = True
+        if renamed:
+            new_sub.recompile()
+    return new
+
+
 def _check_input(program: Any) -> None:
     if not isinstance(program, (ExportedProgram, GraphModule)):
         raise BranchyardError(
@@ -241,11 +263,11 @@ class Pipeline:
     def __call__(self, program: Program) -> PipelineResult:
         _check_input(program)
         if isinstance(program, GraphModule):
-            gm, modified = self._run(copy.deepcopy(program))
+            gm, modified = self._run(_copy_graph_module(program))
             out: Any = gm
         else:
             # Run on a copy of the graph; the state dict and constants are shared.
-            fresh = program._update(copy.deepcopy(program.graph_module), program.graph_signature)
+            fresh = program._update(_copy_graph_module(program.graph_module), program.graph_signature)
             holder: dict[str, bool] = {}
 
             def run_all(gm: GraphModule) -> PassResult:
@@ -278,7 +300,9 @@ def register_pass(cli_name: str) -> Callable[[type[BranchyardPass]], type[Branch
 
 def get_pass(cli_name: str) -> BranchyardPass:
     """A fresh instance of the registered pass ``cli_name``."""
-    import branchyard.passes  # noqa: F401  (registers the built-in passes)
+    # Importing these registers the built-in passes (graph passes and lowerings).
+    import branchyard.lowering  # noqa: F401
+    import branchyard.passes  # noqa: F401
 
     try:
         return PASS_REGISTRY[cli_name]()

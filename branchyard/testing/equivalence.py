@@ -54,6 +54,7 @@ import itertools
 import math
 import operator
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -505,8 +506,14 @@ class EquivalenceReport:
         return "\n".join(lines)
 
 
+_EXAMPLE = re.compile(r"\bx\b")
+
+
 def _describe(names: list[str], choice: dict[int, _Variant]) -> str:
-    return ", ".join(f"{names[i]}={v.label}" for i, v in sorted(choice.items())) or "example inputs"
+    """``idx=3, flag=True, z=-z``: variant labels are written in terms of
+    ``x``, the example value; name it after the input."""
+    parts = [f"{names[i]}={_EXAMPLE.sub(names[i], v.label)}" for i, v in sorted(choice.items())]
+    return ", ".join(parts) or "example inputs"
 
 
 def assert_equivalent(

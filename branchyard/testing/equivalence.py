@@ -639,6 +639,12 @@ def assert_equivalent(
     for k, args in enumerate(input_sets):
         compare(tuple(args), f"input_sets[{k}]")
 
+    if runs == 0:
+        raise EquivalenceError(
+            f"before raised on every input set, so nothing was compared; first: {skipped[0] if skipped else '?'}",
+            where="argument 'example_inputs'",
+            hint="pass example_inputs (or input_sets) on which before runs",
+        )
     report = EquivalenceReport(runs, required, covered, paths["before"], paths["after"], skipped, ref.role)
     missing = sorted(required - covered)
     if check_coverage and missing:

@@ -287,6 +287,14 @@ def test_run_recording_reports_clamped_index():
     assert str(path[0]) == "switch -> 2 (index 7 clamped)"
 
 
+def test_before_that_never_runs_is_not_a_pass():
+    def broken(x):
+        raise RuntimeError("shape mismatch somewhere")
+
+    with pytest.raises(EquivalenceError, match="before raised on every input set.*shape mismatch somewhere"):
+        assert_equivalent(broken, lambda x: x, (X,))
+
+
 def test_bad_arguments():
     ep = _export(Nested(), torch.tensor(True), torch.tensor(0), X)
     with pytest.raises(BranchyardError, match="before takes 3 flat inputs but example_inputs flatten to 2"):

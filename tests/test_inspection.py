@@ -143,3 +143,23 @@ def test_summary_is_json_serializable():
 def test_inspect_rejects_non_programs():
     with pytest.raises(BranchyardError, match="expected a torch.export.ExportedProgram or torch.fx.GraphModule, got str"):
         inspect_program("model.pt2")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cond_to_switch bug: leaves of nested levels return ((y,),) where the first leaf returns (y,) when "
+    "branch graphs return a bare value (torch.export's form) -> the switch output is a nested tuple",
+)
+@pytest.mark.parametrize(("split", "n"), [("chain", 4), ("tree", 4)])
+def test_rewritten_example_computes_the_same(split, n):
+    """The shipped example through cond_to_switch: same tensor on every path."""
+    program = build_dispatch_program(n, dim=4, split=split)
+    rewritten = cond_to_switch(program)
+    assert graph_stats(rewritten).control_flow["switch"] == 1
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        for i in range(-2, n + 2):
+            idx = torch.tensor(i)
+            out = rewritten.module()(x, idx)
+            assert isinstance(out, torch.Tensor), f"idx={i}: {type(out).__name__}"
+            torch.testing.assert_close(out, program.module()(x, idx))

@@ -231,10 +231,18 @@ def validate(gm: GraphModule, inputs: Sequence[Any], ctx: LoweringContext) -> An
     mode, fakes = _fake_inputs(inputs)
     for i, (node, x) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs)):
         if isinstance(x, torch.Tensor) and ctx.device is not None and x.device != ctx.device:
+            # A host predicate is the common way to get here: say so, since the
+            # fix (compute the predicate on the device) differs from a plain copy.
+            preds = [
+                u.name
+                for u in node.users
+                if u.target is torch.ops.higher_order.cond and u.args and u.args[0] is node
+            ]
+            role = f" and is the predicate of cond {preds[0]!r}" if preds else ""
             raise LoweringError(
-                f"input {i} is on {x.device}; the program is lowered for {ctx.device}",
+                f"input {i} is on {x.device}{role}; the program is lowered for {ctx.device}",
                 where=f"placeholder {node.name!r}",
-                hint="pass example inputs that live on the device",
+                hint="pass example inputs that live on the device; a cond predicate must be a 0-d bool tensor there",
             )
     with mode:
         return ControlFlowInterpreter(gm, ctx).run(*fakes)

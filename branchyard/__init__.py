@@ -7,3 +7,7 @@
 """
 
 __version__ = "0.1.0"
+
+from branchyard.serialization import load, save
+
+__all__ = ["__version__", "load", "save"]

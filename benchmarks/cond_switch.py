@@ -12,7 +12,8 @@ balanced binary cond tree (depth 1-7), side by side in one process:
   host. Reported as the worst path (the last expert) and the mean over every
   in-range index. On a GPU each such read is a device->host sync;
 * Inductor compile time: ``torch.compile(program.module())``, first call,
-  after ``torch._dynamo.reset()`` (fresh compile for each program);
+  after ``torch._dynamo.reset()``, with Inductor's caches disabled (a fresh
+  compile for each program; which side goes first alternates by case);
 * steady-state call time: median of repeated calls cycling through the
   indices, eager and compiled;
 * re-export time: ``torch.export.export(program.module(), inputs)``. The
@@ -71,6 +72,7 @@ class Side:
     eager_us: float = float("nan")
     compile_s: float | None = None
     compiled_us: float | None = None
+    compiled_syncs_worst: int | None = None
     reexport_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -138,10 +140,17 @@ def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     detail = next((line for line in text[1:] if line.strip() and "Got graph break" not in line), "")
     head = text[0] if text else ""
-    return f"{type(exc).__name__}: {head} {detail.strip()}".strip()[:240]
+    head = head.replace("This higher order operator doesn't work unless it is captured completely with "
+                        "torch.compile. Got graph break/error:", "").strip()
+    return f"{type(exc).__name__}: {head} {detail.strip()}".strip()[:200]
 
 
-def measure_side(side: Side, program: Any, n_idx: int, args: argparse.Namespace, reexport: bool) -> None:
+class _Skipped(Exception):
+    pass
+
+
+def measure_side(side: Side, program: Any, n_idx: int, args: argparse.Namespace, reexport: bool,
+                 compile_ok: bool = True) -> None:
     st = graph_stats(program)
     side.subgraphs, side.placeholders = st.subgraphs, st.placeholders
     side.cf_nodes, side.cf_operands = st.control_flow_nodes, st.control_flow_operands
@@ -155,20 +164,36 @@ def measure_side(side: Side, program: Any, n_idx: int, args: argparse.Namespace,
             m(x, idx)
         reads.append(c[0])
     side.syncs_worst, side.syncs_mean = max(reads), statistics.mean(reads)
+    out = m(x, idxs[-1])
+    if not isinstance(out, torch.Tensor):
+        side.notes.append(f"eager output is a {type(out).__name__}, not a tensor")
     side.eager_us = median_us(lambda i: m(x, idxs[i]), n_idx, args.reps)
 
     torch._dynamo.reset()
     try:
+        if not compile_ok:
+            raise _Skipped(f"compile skipped: over --max-compile-leaves={args.max_compile_leaves} "
+                           "(the nested compile about doubles per tree level)")
         compiled = torch.compile(runnable(program), backend="inductor")
         t = time.perf_counter()
         compiled(x, idxs[0])
         side.compile_s = time.perf_counter() - t
         for idx in idxs[1:]:  # any recompile happens here, not in the timing
             compiled(x, idx)
+        compiled_reads = []
+        for idx in idxs:
+            with count_host_reads() as c:
+                compiled(x, idx)
+            compiled_reads.append(c[0])
+        side.compiled_syncs_worst = max(compiled_reads)
         side.compiled_us = median_us(lambda i: compiled(x, idxs[i]), n_idx, args.reps)
-        ref = m(x, idxs[-1])
-        if not torch.allclose(compiled(x, idxs[-1]), ref, atol=1e-5):
-            side.notes.append("compiled output differs from eager")
+        for idx in idxs:
+            got, ref = compiled(x, idx), m(x, idx)
+            if not (isinstance(got, torch.Tensor) and torch.allclose(got, ref, atol=1e-5)):
+                side.notes.append(f"compiled output differs from eager (idx={int(idx)}: {type(got).__name__})")
+                break
+    except _Skipped as exc:
+        side.notes.append(str(exc))
     except Exception as exc:  # a compile failure is a result to report, not a crash
         side.notes.append(f"torch.compile failed: {first_line(exc)}")
     torch._dynamo.reset()
@@ -192,9 +217,19 @@ def run_case(family: str, size: int, args: argparse.Namespace) -> Case:
     rewritten = cond_to_switch(ep)
     case.pass_s = time.perf_counter() - t
     depth = experts - 1 if family == "chain" else size
-    measure_side(case.nested, ep, experts, args, reexport=depth <= args.max_reexport_depth)
-    measure_side(case.switch, rewritten, experts, args, reexport=True)
+    sides = [
+        lambda: measure_side(case.nested, ep, experts, args, reexport=depth <= args.max_reexport_depth,
+                             compile_ok=experts <= args.max_compile_leaves),
+        lambda: measure_side(case.switch, rewritten, experts, args, reexport=True),
+    ]
+    # Alternate which side goes first, so neither always compiles in a warmer process.
+    for measure in sides if order_first_nested(family, size) else reversed(sides):
+        measure()
     return case
+
+
+def order_first_nested(family: str, size: int) -> bool:
+    return (size + (family == "tree")) % 2 == 0
 
 
 def run_scaling(layers_list: list[int], experts: int = 6) -> list[dict[str, float]]:
@@ -203,7 +238,9 @@ def run_scaling(layers_list: list[int], experts: int = 6) -> list[dict[str, floa
     for layers in layers_list:
         ep = build_dispatch_program(experts, dim=8, batch=2, split="chain", layers=layers)
         conds = graph_stats(ep).control_flow["cond"]
+        t = time.perf_counter()
         gm = copy.deepcopy(ep.graph_module)
+        copy_s = time.perf_counter() - t
         t = time.perf_counter()
         CondToSwitch()(gm)
         pass_s = time.perf_counter() - t
@@ -211,7 +248,7 @@ def run_scaling(layers_list: list[int], experts: int = 6) -> list[dict[str, floa
         out = cond_to_switch(ep)
         fn_s = time.perf_counter() - t
         assert graph_stats(out).control_flow == {"cond": 0, "switch": layers, "while_loop": 0}
-        rows.append({"conds": conds, "pass_s": pass_s, "pass_s_per_cond": pass_s / conds,
+        rows.append({"conds": conds, "deepcopy_s": copy_s, "pass_s": pass_s, "pass_s_per_cond": pass_s / conds,
                      "function_form_s": fn_s, "function_form_s_per_cond": fn_s / conds})
         print(f"  scaling: {conds} conds: pass {pass_s:.3f} s, function form {fn_s:.3f} s", flush=True)
     return rows
@@ -228,6 +265,10 @@ def ratio(a: float | None, b: float | None) -> str:
     return "—" if not a or not b else f"{a / b:.1f}×"
 
 
+def case_name(c: Case) -> str:
+    return f"{c.experts}-expert chain" if c.family == "chain" else f"tree depth {c.size} ({c.experts} leaves)"
+
+
 def markdown(cases: list[Case], scaling: list[dict[str, float]], meta: dict[str, str]) -> str:
     out = [SECTION, ""]
     out.append(
@@ -241,36 +282,39 @@ def markdown(cases: list[Case], scaling: list[dict[str, float]], meta: dict[str,
     out.append(
         "Host syncs: every host read of a tensor (`Tensor.__bool__` / `.item()`) during one eager call of "
         "`program.module()`, counted by wrapping those two methods; `cond` reads its predicate, `switch` its "
-        "index. Worst path = the last expert; mean over every in-range index."
+        "index. Worst path = the last expert; mean over every in-range index. The compiled column counts the "
+        "same reads during a call of the Inductor-compiled module (worst index)."
     )
     out.append("")
     out.append("| program | cond→switch pass (s) | subgraphs | placeholders | control-flow nodes | "
-               "control-flow operands | host syncs worst / mean | Inductor compile (s) | compile ratio | "
-               "compiled call (µs) | eager call (µs) | re-export (s) |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+               "control-flow operands | host syncs worst / mean | host syncs compiled (worst) | Inductor compile (s) | "
+               "compile ratio | compiled call (µs) | eager call (µs) | re-export (s) |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in cases:
         n, s = c.nested, c.switch
-        name = f"{c.experts}-expert chain" if c.family == "chain" else f"tree depth {c.size} ({c.experts} leaves)"
+        name = case_name(c)
         out.append(
             f"| {name} | {c.pass_s:.2f} | {n.subgraphs} → {s.subgraphs} | {n.placeholders} → {s.placeholders} | "
             f"{n.cf_nodes} → {s.cf_nodes} | {n.cf_operands} → {s.cf_operands} | "
             f"{n.syncs_worst}/{n.syncs_mean:.1f} → {s.syncs_worst}/{s.syncs_mean:.1f} | "
+            f"{fmt(n.compiled_syncs_worst, 'd')} → {fmt(s.compiled_syncs_worst, 'd')} | "
             f"{fmt(n.compile_s)} → {fmt(s.compile_s)} | {ratio(n.compile_s, s.compile_s)} | "
             f"{fmt(n.compiled_us, '.0f')} → {fmt(s.compiled_us, '.0f')} | "
             f"{n.eager_us:.0f} → {s.eager_us:.0f} | {fmt(n.reexport_s)} → {fmt(s.reexport_s)} |"
         )
-    notes = sorted({f"{side}: {note}" for c in cases for side, sd in (("nested", c.nested), ("switch", c.switch))
-                    for note in sd.notes})
+    notes = [f"{case_name(c)}, {side}: {note}" for c in cases
+             for side, sd in (("nested", c.nested), ("switch", c.switch)) for note in sd.notes]
     if notes:
         out += ["", "Notes (— in the table):", ""]
         out += [f"- {n}" for n in notes]
     out += ["", "The pass on stacks of 6-expert chains (5 conds each); `pass` = `CondToSwitch()` on the "
             "GraphModule, `function form` = `cond_to_switch(ExportedProgram)` (graph copy + verification "
             "included):", ""]
-    out.append("| conds | pass (s) | pass (ms / cond) | function form (s) | function form (ms / cond) |")
-    out.append("|---|---|---|---|---|")
+    out.append("| conds | pass (s) | pass (ms / cond) | deepcopy of the graph module (s) | function form (s) | "
+               "function form (ms / cond) |")
+    out.append("|---|---|---|---|---|---|")
     for r in scaling:
-        out.append(f"| {r['conds']} | {r['pass_s']:.3f} | {1e3 * r['pass_s_per_cond']:.2f} | "
+        out.append(f"| {r['conds']} | {r['pass_s']:.3f} | {1e3 * r['pass_s_per_cond']:.2f} | {r['deepcopy_s']:.3f} | "
                    f"{r['function_form_s']:.3f} | {1e3 * r['function_form_s_per_cond']:.2f} |")
     out += ["", "![cond → switch](img/cond_switch.png)", ""]
     return "\n".join(out)
@@ -288,14 +332,20 @@ def plot(cases: list[Case], scaling: list[dict[str, float]], path: Path) -> None
         xs = [c.experts for c in cs]
         label = "idx == k chain" if family == "chain" else "binary tree"
         axes[0].plot(xs, [c.nested.syncs_worst for c in cs], marker=marker, label=f"{label}, nested")
-        axes[0].plot(xs, [c.switch.syncs_worst for c in cs], marker=marker, ls="--", label=f"{label}, switch")
+        axes[0].plot(xs, [c.switch.syncs_worst + (0.05 if family == "tree" else 0) for c in cs], marker=marker,
+                     ls="--", label=f"{label}, switch" + (" (drawn +0.05)" if family == "tree" else ""))
         for side, ls in (("nested", "-"), ("switch", "--")):
             pts = [(c.experts, getattr(c, side).compile_s) for c in cs if getattr(c, side).compile_s]
             if pts:
                 axes[1].plot(*zip(*pts), marker=marker, ls=ls, label=f"{label}, {side}")
-    axes[0].set(xscale="log", xlabel="experts (leaves)", ylabel="host syncs per call (worst path)",
+    from matplotlib.ticker import ScalarFormatter
+
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+    axes[0].set(xlabel="experts (leaves)", ylabel="host syncs per call (worst path)",
                 title="host syncs")
-    axes[1].set(xscale="log", yscale="log", xlabel="experts (leaves)", ylabel="s", title="Inductor compile time")
+    axes[1].set(yscale="log", xlabel="experts (leaves)", ylabel="s", title="Inductor compile time")
     if scaling:
         axes[2].plot([r["conds"] for r in scaling], [r["pass_s"] for r in scaling], marker="o", label="pass")
         axes[2].plot([r["conds"] for r in scaling], [r["function_form_s"] for r in scaling], marker="s",
@@ -325,16 +375,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.reps = 50 if args.quick else 200
     args.max_reexport_depth = 4 if args.quick else 6
+    args.max_compile_leaves = 16 if args.quick else 64
     chains = [2, 4, 8] if args.quick else [2, 4, 8, 16]
     depths = [1, 2, 3, 4] if args.quick else [1, 2, 3, 4, 5, 6, 7]
     layers = [25, 50, 100, 200]
 
     warnings.filterwarnings("ignore")
+    # Fresh compiles: no FX-graph / kernel cache hits between the two sides.
+    torch._inductor.config.force_disable_caches = True
     torch.set_grad_enabled(False)  # inference; cond's autograd path re-traces branches
     t0 = time.perf_counter()
-    # Warm Inductor up once so the first case does not pay its import cost.
-    torch.compile(lambda a: a.sin() + 1)(torch.randn(4))
-    torch._dynamo.reset()
+    # Warm Inductor up on a one-cond program (imports, C++ toolchain, cond
+    # lowering) so the first measured compile does not pay ~10 s of start-up.
+    for _ in range(2):
+        warm = build_dispatch_program(2, dim=DIM, batch=BATCH)
+        torch.compile(runnable(warm))(torch.randn(BATCH, DIM), torch.tensor(0))
+        torch._dynamo.reset()
 
     cases = []
     for family, sizes in (("chain", chains), ("tree", depths)):

@@ -50,7 +50,15 @@ from torch.fx import GraphModule, Node
 
 from branchyard._compat import switch_op
 from branchyard.errors import BranchyardError
-from branchyard.passes.cond_tree import CondTree, _Cond, _Plan, _Sub, analyze_cond_tree, find_cond_trees
+from branchyard.passes.cond_tree import (
+    CondTree,
+    _Cond,
+    _Plan,
+    _Sub,
+    analyze_cond_tree,
+    find_cond_trees,
+    resolve_origin,
+)
 from branchyard.passes.control_flow import (
     AttrSink,
     emit,
@@ -89,10 +97,7 @@ class _Hoister:
         self._memo: dict[tuple[int, Node], Any] = {}
 
     def __call__(self, node: Any, sub: _Sub | None) -> Any:
-        while isinstance(node, Node) and sub is not None and node.op == "placeholder":
-            parent = sub.parent
-            node = parent.parts.operands[sub.phs.index(node)]
-            sub = parent.home
+        sub, node = resolve_origin(node, sub)
         if not isinstance(node, Node) or sub is None:
             return node
         key = (id(sub), node)
@@ -107,21 +112,24 @@ def _general_index(plan: _Plan, hoist: _Hoister, like: Node) -> Any:
     leaf_pos = {id(leaf): i for i, leaf in enumerate(plan.leaves)}
     graph = hoist.graph
 
-    def index_of(cond: _Cond) -> Any:
-        sides = []
-        for side in (True, False):
-            sub = cond.child(side)
-            sides.append(plan.branch_of_leaf[leaf_pos[id(sub)]] if sub.nested is None else index_of(sub.nested))
-        t, f = sides
+    index: dict[int, Any] = {}
+    # plan.conds lists parents before children: walk it backwards so every
+    # subtree's index exists before its parent's where() (no recursion, so
+    # trees thousands deep are fine).
+    for cond in reversed(plan.conds):
+        t, f = (
+            plan.branch_of_leaf[leaf_pos[id(sub)]] if sub.nested is None else index[id(sub.nested)]
+            for sub in (cond.child(True), cond.child(False))
+        )
         if not isinstance(t, Node) and not isinstance(f, Node) and t == f:
-            return t
+            index[id(cond)] = t
+            continue
         pred = hoist(cond.parts.pred, cond.home)
         if node_value(pred).dtype != torch.bool:
             # cond takes any single-element tensor by truthiness; where wants bool.
             pred = emit(graph, aten.ne.Scalar, (pred, 0), like=like)
-        return emit(graph, _WHERE[(isinstance(t, Node), isinstance(f, Node))], (pred, t, f), like=like)
-
-    return index_of(plan.root)
+        index[id(cond)] = emit(graph, _WHERE[(isinstance(t, Node), isinstance(f, Node))], (pred, t, f), like=like)
+    return index[id(plan.root)]
 
 
 def _dispatch_index(plan: _Plan, hoist: _Hoister, like: Node) -> Node:

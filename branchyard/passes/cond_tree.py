@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch._ops import HigherOrderOperator
@@ -68,6 +68,7 @@ __all__ = [
     "find_cond_trees",
     "analyze_cond_tree",
     "match_dispatch_chain",
+    "resolve_origin",
 ]
 
 aten = torch.ops.aten
@@ -95,6 +96,11 @@ class _Sub:
     #: Per placeholder: root operand position (int) or _Literal; None when
     #: some enclosing branch is not trivial (the leaf must then be inlined).
     root_args: list[Any] | None = None
+    #: Per placeholder: where its value is computed, as (branch or None for
+    #: the owner graph, node or literal). Filled top-down, so following a
+    #: value out of a deep tree costs O(1), not O(depth).
+    origins: list[tuple["_Sub | None", Any]] = field(default_factory=list)
+    ph_pos: dict[Node, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -228,8 +234,7 @@ class _Hoistability:
             return self._memo[key]
         self._memo[key] = None  # cycles are impossible in a DAG; guard anyway
         if node.op == "placeholder":
-            parent = sub.parent
-            result = self.reason(parent.parts.operands[sub.phs.index(node)], parent.home)
+            result = self.reason(*reversed(resolve_origin(node, sub)))
         else:
             why = _op_reason(node)
             result = f"{describe_node(node)}: {why}" if why else None
@@ -244,10 +249,8 @@ class _Hoistability:
 def resolve_origin(node: Any, sub: _Sub | None) -> tuple[_Sub | None, Any]:
     """Follow placeholders outward: the branch (None: owner graph) where
     ``node``'s value is actually computed, and the node there."""
-    while isinstance(node, Node) and sub is not None and node.op == "placeholder":
-        parent = sub.parent
-        node = parent.parts.operands[sub.phs.index(node)]
-        sub = parent.home
+    if isinstance(node, Node) and sub is not None and node.op == "placeholder":
+        return sub.origins[sub.ph_pos[node]]
     return sub, node
 
 
@@ -454,6 +457,8 @@ def analyze_cond_tree(
         cond, side = stack.pop()
         gm = cond.parts.branch(side)
         sub = _Sub(gm, cond, side, placeholders(gm))
+        sub.ph_pos = {ph: i for i, ph in enumerate(sub.phs)}
+        sub.origins = [resolve_origin(o, cond.home) for o in cond.parts.operands]
         if side:
             cond.true = sub
         else:
@@ -463,7 +468,7 @@ def analyze_cond_tree(
             sub.root_args = list(range(m))
         elif home.trivial and home.root_args is not None:
             sub.root_args = [
-                home.root_args[home.phs.index(o)] if isinstance(o, Node) else _Literal(o) for o in cond.parts.operands
+                home.root_args[home.ph_pos[o]] if isinstance(o, Node) else _Literal(o) for o in cond.parts.operands
             ]
         match = match_nested_cond(sub, hoist)
         if match is None:
@@ -519,8 +524,8 @@ def analyze_cond_tree(
     seen: dict[Node, int] = {}
     for c in conds:
         for op in c.parts.operands:
-            _, origin = resolve_origin(op, c.home)
-            if isinstance(origin, Node) and resolve_origin(op, c.home)[0] is None:
+            where, origin = resolve_origin(op, c.home)
+            if isinstance(origin, Node) and where is None:
                 seen[origin] = seen.get(origin, 0) + 1
     duplicated = [n.name for n, count in seen.items() if count > 1]
 

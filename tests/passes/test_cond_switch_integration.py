@@ -179,3 +179,24 @@ def test_inductor_pre_grad_pass():
     report = inductor_pre_grad_pass.last_report
     assert report is not None and report.modified and report.stats["switches_created"] == 1
     torch._dynamo.reset()
+
+
+def test_dynamo_graph_with_predicate_computed_in_a_branch():
+    def f(p, x):
+        inner = lambda x: torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))  # noqa: E731
+        return torch.cond(p, inner, lambda x: x * 3, (x,))
+
+    rewritten = []
+
+    def backend(gm, example_inputs):
+        res = CondToSwitch()(gm)
+        rewritten.append(counts(res.graph_module))
+        return res.graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    for p in (True, False):
+        for s in (1.0, -1.0):
+            x = X.abs() * s
+            torch.testing.assert_close(compiled(torch.tensor(p), x), f(torch.tensor(p), x))
+    assert rewritten == [(0, 1)]

@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from branchyard.errors import MalformedGraphError
 from branchyard.passes import CondToSwitch, cond_to_switch, find_cond_trees, get_pass
 from branchyard.passes.control_flow import is_cond, is_switch
+from branchyard.testing import assert_equivalent
 
 aten = torch.ops.aten
 cond = torch.cond
@@ -310,6 +311,40 @@ def test_branch_with_prefix_and_postfix_is_inlined_into_leaves():
     (sw,) = switch_nodes(after)
     assert len(sw.args[1]) == 3
     assert_same(gm, after, [(torch.tensor(p), torch.tensor(q), X) for p in (True, False) for q in (True, False)])
+
+
+def test_predicates_computed_from_a_prefix_are_hoisted_through_inlined_levels():
+    # Every level computes a new value, tests a predicate on it, and post-processes the result.
+    def level(d):
+        if d == 0:
+            return lambda x: x.exp()
+
+        def body(x):
+            y = x + 1  # operand and predicate both come from the prefix
+            out = cond(y.mean() > d, lambda y: y.sin(), level(d - 1), (y,))
+            return out + d
+
+        return body
+
+    gm = make_fx(lambda x: level(3)(x))(X)
+    (tree,) = find_cond_trees(gm)
+    assert (tree.depth, tree.num_leaves) == (3, 4)
+    after = cond_to_switch(gm)
+    assert n_conds(after) == 0 and len(switch_nodes(after)) == 1
+    inputs = [(X * s + c,) for s in (1.0, -1.0) for c in (-5.0, -3.0, -1.0, 0.0, 1.0, 3.0)]
+    assert_same(gm, after, inputs)
+    report = assert_equivalent(gm, after, (X,), input_sets=inputs)  # also proves every leaf was reached
+    assert report.covered == report.required
+
+
+def test_integer_predicate_is_converted_for_the_index():
+    def f(p, q, x):
+        return cond(p, lambda x, q: cond(q, lambda x: x + 1, lambda x: x - 1, (x,)), lambda x, q: x * 2, (x, q))
+
+    gm = make_fx(f)(torch.tensor(1), torch.tensor(0), X)  # int predicates: cond takes them by truthiness
+    after = cond_to_switch(gm)
+    assert aten.ne.Scalar in targets(after)
+    assert_same(gm, after, [(torch.tensor(a), torch.tensor(b), X) for a in (0, 1, 7) for b in (0, -2)])
 
 
 def test_deep_tree_with_multiple_outputs():

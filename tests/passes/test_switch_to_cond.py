@@ -154,3 +154,17 @@ def test_branch_outputs_differing_in_dtype_are_rejected():
     setattr(gm, node.args[1][1].target, make_fx(lambda x: (x.double(),))(X))
     with pytest.raises(MalformedGraphError, match=r"node 'switch'.*output 0 is torch.float32 in branch 0 but torch.float64 in branch 1"):
         switch_to_cond(gm)
+
+
+def test_symint_index_from_a_dynamic_shape():
+    class SizeSwitch(torch.nn.Module):
+        def forward(self, x):
+            return switch(x.shape[0] - 3, BRANCHES[:3], (x,))
+
+    dim = torch.export.Dim("n", min=1, max=10)
+    ep = torch.export.export(SizeSwitch(), (torch.randn(4, 2),), dynamic_shapes=({0: dim},))
+    low = switch_to_cond(ep)
+    assert n_switches(low.graph_module) == 0 and n_conds(low.graph_module) == 2
+    for n in range(1, 9):
+        x = torch.randn(n, 2)
+        torch.testing.assert_close(low.module()(x), reference(3, n - 3, x), msg=f"n={n}")

@@ -1,10 +1,11 @@
 """``cond-to-switch``: replace each maximal tree of nested ``torch.cond`` by
 one ``torch.ops.higher_order.switch`` over the tree's leaves.
 
-Postcondition: no cond tree of depth >= 2 is left in the graph or its
-subgraphs; each became one switch whose branches are the tree's distinct
+Postcondition: no absorbable cond tree of depth >= 2 is left in the graph or
+its subgraphs; each became one switch whose branches are the tree's distinct
 leaves, whose operands are the leaves' outer inputs each passed once, and
-whose index is always in range.
+whose index is always in range (or, when every leaf is identical, that leaf's
+body inlined).
 
 Before (``idx == 0 ? a : (idx == 1 ? b : c)`` as export traces it)::
 
@@ -63,6 +64,7 @@ from branchyard.passes.control_flow import (
     AttrSink,
     emit,
     erase_dead_inputs,
+    replace_with_outputs,
     gc_paused,
     inline_graph,
     new_graph_module,
@@ -164,11 +166,9 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
             # Every leaf computes the same function: no choice left to make.
             leaf = plan.leaf_graphs[branch_leaves[0]]
             gm = new_graph_module(plan.sinks[branch_leaves[0]].attrs, leaf)
-            outs = inline_graph(graph, gm, plan.operands, sink)
+            out = inline_graph(graph, gm, plan.operands, sink)
             result: Any = None
-            for user in list(root.users):
-                user.replace_all_uses_with(outs[user.args[1]])
-                graph.erase_node(user)
+            replace_with_outputs(graph, root, out)
         else:
             hoist = _Hoister(owner)
             if plan.dispatch is not None:

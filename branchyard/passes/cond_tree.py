@@ -55,10 +55,12 @@ from branchyard.passes.control_flow import (
     CondParts,
     cond_parts,
     describe_node,
+    graph_outputs,
     inline_graph,
     is_cond,
     node_value,
     placeholders,
+    returns_sequence,
 )
 from branchyard.passes.leaf_dedup import group_identical
 
@@ -280,22 +282,18 @@ def match_nested_cond(sub: _Sub, hoist: _Hoistability) -> CondParts | str | None
 
 def _is_trivial(sub: _Sub, parts: CondParts) -> bool:
     node = parts.node
+    if not returns_sequence(parts.true_gm):
+        return False  # cond yields a bare value; getitem on it would index the tensor
     if not all(not isinstance(o, Node) or o.op == "placeholder" for o in parts.operands):
         return False
-    outs = [n for n in sub.gm.graph.nodes if n.op == "output"][0].args[0]
-    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-    n_results = len(placeholders_out(parts.true_gm))
+    outs = graph_outputs(sub.gm)
+    n_results = len(graph_outputs(parts.true_gm))
     if len(outs) != n_results:
         return False
     for i, o in enumerate(outs):
         if not (isinstance(o, Node) and o.target is operator.getitem and o.args[0] is node and o.args[1] == i):
             return False
     return not any(n.is_impure() for n in sub.gm.graph.nodes if n.op in ("call_function", "call_method") and n is not node)
-
-
-def placeholders_out(gm: GraphModule) -> list[Any]:
-    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 _EQ_TARGETS: dict[Any, bool] = {
@@ -405,7 +403,7 @@ def _materialize(root: _Cond, leaf: _Sub, sink: AttrSink) -> tuple[Graph, list[N
         return [phs[a] if isinstance(a, int) else a.value for a in root_args]
 
     if leaf.root_args is not None:
-        outs = inline_graph(g, leaf.gm, bind(leaf.root_args), sink)
+        out = inline_graph(g, leaf.gm, bind(leaf.root_args), sink)
     else:
         chain = [leaf]
         while chain[-1].root_args is None:
@@ -413,13 +411,13 @@ def _materialize(root: _Cond, leaf: _Sub, sink: AttrSink) -> tuple[Graph, list[N
             assert home is not None  # root children always have root_args
             chain.append(home)
         chain.reverse()
-        outs = _inline_chain(g, chain, 0, bind(chain[0].root_args or []), sink)
-    g.output(tuple(outs))
+        out = _inline_chain(g, chain, 0, bind(chain[0].root_args or []), sink)
+    g.output(out)
     g.eliminate_dead_code()
     return g, phs
 
 
-def _inline_chain(g: Graph, chain: list[_Sub], k: int, args: list[Any], sink: AttrSink) -> list[Any]:
+def _inline_chain(g: Graph, chain: list[_Sub], k: int, args: list[Any], sink: AttrSink) -> Any:
     sub = chain[k]
     if k == len(chain) - 1:
         return inline_graph(g, sub.gm, args, sink)
@@ -427,7 +425,7 @@ def _inline_chain(g: Graph, chain: list[_Sub], k: int, args: list[Any], sink: At
     assert nested is not None
     node = nested.parts.node
 
-    def expand(env: dict[Node, Any]) -> list[Any]:
+    def expand(env: dict[Node, Any]) -> Any:
         child_args = [env[o] if isinstance(o, Node) else o for o in nested.parts.operands]
         return _inline_chain(g, chain, k + 1, child_args, sink)
 

@@ -58,6 +58,8 @@ __all__ = [
     "new_graph_module",
     "gc_paused",
     "erase_dead_inputs",
+    "replace_with_outputs",
+    "returns_sequence",
 ]
 
 COND: HigherOrderOperator = torch.ops.higher_order.cond
@@ -75,7 +77,7 @@ def is_switch(node: Node) -> bool:
 
 
 def describe_node(node: Node) -> str:
-    """``node 'name'`` plus the graph it lives in, for error messages."""
+    """``node 'name'``, for error messages."""
     return f"node '{node.name}'"
 
 
@@ -157,6 +159,15 @@ def _same_size(a: Any, b: Any) -> bool:
 
 
 def _check_branch_outputs(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> None:
+    kinds = [returns_sequence(gm) for gm in branches]
+    for kind, label in zip(kinds[1:], labels[1:]):
+        if kind != kinds[0]:
+            raise MalformedGraphError(
+                f"{labels[0]} returns {'a tuple' if kinds[0] else 'a bare value'} but {label} "
+                f"returns {'a tuple' if kind else 'a bare value'}",
+                where=describe_node(node),
+                hint="every branch must return the same output structure",
+            )
     ref = [node_value(v) for v in graph_outputs(branches[0])]
     for gm, label in zip(branches[1:], labels[1:]):
         outs = [node_value(v) for v in graph_outputs(gm)]
@@ -373,23 +384,31 @@ def resolve_attr(gm: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def returns_sequence(gm: GraphModule) -> bool:
+    """Whether ``gm`` returns a tuple/list (then a cond/switch over it yields
+    a sequence that ``getitem`` picks from) rather than a bare value."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return isinstance(out.args[0], (tuple, list))
+
+
 def inline_graph(
     dst: Graph,
     src: GraphModule,
     args: Sequence[Any],
     sink: AttrSink,
     *,
-    replace: dict[Node, Callable[[dict[Node, Any]], Sequence[Any]]] | None = None,
+    replace: dict[Node, Callable[[dict[Node, Any]], Any]] | None = None,
     drop: frozenset[Node] = frozenset(),
-) -> list[Any]:
+) -> Any:
     """Copy ``src``'s body into ``dst`` at its insertion point, its
-    placeholders bound to ``args``; return the values it outputs.
+    placeholders bound to ``args``; return what it outputs, in the same
+    structure (a tuple of values, or a bare value).
 
-    ``replace[node]`` is called with the environment instead of copying a
-    multi-output ``node`` and must return its outputs; ``getitem`` nodes on
-    it resolve to those outputs directly. Nodes in ``drop`` are not copied
-    (the get_attrs of a replaced node). ``get_attr`` nodes are re-pointed at
-    copies stored in ``sink``.
+    ``replace[node]`` is called with the environment instead of copying
+    ``node`` and returns its value in the same way; when that is a tuple,
+    ``getitem`` nodes on it resolve to its elements directly. Nodes in
+    ``drop`` are not copied (the get_attrs of a replaced node). ``get_attr``
+    nodes are re-pointed at copies stored in ``sink``.
     """
     replace = replace or {}
     env: dict[Node, Any] = {}
@@ -399,14 +418,13 @@ def inline_graph(
         if n.op == "placeholder":
             env[n] = next(it)
         elif n.op == "output":
-            ret = n.args[0]
-            flat = list(ret) if isinstance(ret, (tuple, list)) else [ret]
-            return [torch.fx.node.map_arg(v, env.__getitem__) for v in flat]
+            return torch.fx.node.map_arg(n.args[0], env.__getitem__)
         elif n in drop:
             continue
         elif n in replace:
-            multi[n] = replace[n](env)
-            env[n] = tuple(multi[n])
+            env[n] = replace[n](env)
+            if isinstance(env[n], (tuple, list)):
+                multi[n] = env[n]
         elif n.target is GETITEM and isinstance(n.args[0], Node) and n.args[0] in multi:
             env[n] = multi[n.args[0]][n.args[1]]
         elif n.op == "get_attr":
@@ -429,3 +447,21 @@ def erase_dead_inputs(graph: Graph, nodes: Sequence[Any]) -> None:
         inputs = n.all_input_nodes
         graph.erase_node(n)
         work.extend(inputs)
+
+
+def replace_with_outputs(graph: Graph, node: Node, value: Any) -> None:
+    """Make every user of ``node`` (a cond/switch being replaced) read
+    ``value``, its replacement: for a tuple, ``node[i]`` becomes
+    ``value[i]`` and any other use sees the tuple; a bare value replaces
+    ``node`` outright."""
+    if not isinstance(value, (tuple, list)):
+        node.replace_all_uses_with(value)
+        return
+    for user in list(node.users):
+        if user.target is GETITEM and user.args[0] is node and isinstance(user.args[1], int):
+            user.replace_all_uses_with(value[user.args[1]])
+            graph.erase_node(user)
+        else:
+            whole = tuple(value)
+            user.args = torch.fx.node.map_arg(user.args, lambda a: whole if a is node else a)  # type: ignore[arg-type,return-value]
+            user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: whole if a is node else a)  # type: ignore[arg-type,return-value]

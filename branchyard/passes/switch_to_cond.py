@@ -50,7 +50,10 @@ from branchyard.passes.control_flow import (
     SwitchParts,
     describe_node,
     emit,
+    graph_outputs,
     erase_dead_inputs,
+    replace_with_outputs,
+    returns_sequence,
     gc_paused,
     inline_graph,
     new_graph_module,
@@ -82,6 +85,8 @@ def _index_kind(node: SwitchParts) -> str:
         return "tensor"
     if isinstance(val, torch.SymInt):
         return "symint"
+    if val is None:
+        return "tensor"  # no example value (e.g. a hand-built graph): assume the common case
     raise MalformedGraphError(
         f"switch index is {type(val).__name__}; expected an integer tensor or SymInt",
         where=describe_node(node.node),
@@ -119,21 +124,14 @@ class _Lowering:
         g, idx, ops = self._fresh_graph()
         sink = AttrSink()
         if hi - lo == 1:
-            outs = inline_graph(g, self.parts.branches[lo], ops, sink)
-            g.output(tuple(outs))
+            g.output(inline_graph(g, self.parts.branches[lo], ops, sink))
             return new_graph_module(sink.attrs, g)
         cond = self.emit_split(g, sink, idx, ops, lo, hi)
-        outs = [self._getitem(g, cond, i) for i in range(len(self._out_vals()))]
-        g.output(tuple(outs))
+        if returns_sequence(self.parts.branches[0]):
+            g.output(tuple(self._getitem(g, cond, i) for i in range(len(graph_outputs(self.parts.branches[0])))))
+        else:
+            g.output(cond)
         return new_graph_module(sink.attrs, g)
-
-    def _out_vals(self) -> list[Any]:
-        val = self.out_meta.get("val", self.out_meta.get("example_value"))
-        if isinstance(val, (tuple, list)):
-            return list(val)
-        from branchyard.passes.control_flow import graph_outputs
-
-        return graph_outputs(self.parts.branches[0])
 
     def _getitem(self, g: Graph, cond: Node, i: int) -> Node:
         item = g.call_function(operator.getitem, (cond, i))
@@ -193,10 +191,8 @@ class SwitchToCond(BranchyardPass):
             if n == 1 or not isinstance(parts.index, Node):
                 # Nothing to choose at run time: splice the chosen body in.
                 k = 0 if n == 1 else min(max(int(parts.index), 0), n - 1)
-                outs = inline_graph(graph, parts.branches[k], parts.operands, sink)
-                for user in list(node.users):
-                    user.replace_all_uses_with(outs[user.args[1]])
-                    graph.erase_node(user)
+                out = inline_graph(graph, parts.branches[k], parts.operands, sink)
+                replace_with_outputs(graph, node, out)
                 result = None
             else:
                 low = _Lowering(parts, _index_kind(parts))

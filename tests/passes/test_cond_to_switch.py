@@ -450,14 +450,21 @@ def nested_gm():
 
 def test_branch_outputs_differing_in_dtype_are_rejected():
     gm = nested_gm()
-    gm.false_graph_0 = make_fx(lambda x, q: x.double())(X, torch.tensor(True))
+    gm.false_graph_0 = make_fx(lambda x, q: (x.double(),))(X, torch.tensor(True))
     with pytest.raises(MalformedGraphError, match=r"node 'cond'.*output 0 is torch.float32 in true branch but torch.float64"):
+        cond_to_switch(gm)
+
+
+def test_branch_output_structures_differing_are_rejected():
+    gm = nested_gm()
+    gm.false_graph_0 = make_fx(lambda x, q: x * 2)(X, torch.tensor(True))  # bare, the other returns a tuple
+    with pytest.raises(MalformedGraphError, match=r"node 'cond'.*true branch returns a tuple but false branch returns a bare value"):
         cond_to_switch(gm)
 
 
 def test_branch_outputs_differing_in_shape_are_rejected():
     gm = nested_gm()
-    gm.true_graph_0.false_graph_0 = make_fx(lambda x: x.repeat(2))(X)
+    gm.true_graph_0.false_graph_0 = make_fx(lambda x: (x.repeat(2),))(X)
     with pytest.raises(MalformedGraphError, match=r"node 'cond'.*shape \(3,\) in true branch but \(6,\)"):
         cond_to_switch(gm)
 
@@ -505,7 +512,7 @@ def test_many_trees_in_one_graph():
         a.meta = dict(b.meta)
     idx, acc = phs
     for _ in range(60):
-        (acc,) = inline_graph(g, small, [idx, acc], sink)
+        acc = inline_graph(g, small, [idx, acc], sink)
     g.output(acc)
     big = torch.fx.GraphModule(root, g)
     assert n_conds(big) == 240
@@ -517,3 +524,50 @@ def test_many_trees_in_one_graph():
         for _ in range(60):
             expected = ref(torch.tensor(i), expected)
         torch.testing.assert_close(res.graph_module(torch.tensor(i), X), expected, rtol=1e-4, atol=1e-4)
+
+
+def bare_output_chain(n: int) -> torch.fx.GraphModule:
+    """idx == 0 ? x + 0 : idx == 1 ? x + 1 : ... built by hand with branches
+    that return a bare tensor (no tuple, no getitem) -- legal for the cond op,
+    and what some graph builders emit."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        xv, iv, bv = torch.empty(3), torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.bool)
+
+    def graph_with_inputs():
+        g = torch.fx.Graph()
+        x, i = g.placeholder("x"), g.placeholder("idx")
+        x.meta["val"], i.meta["val"] = xv, iv
+        return g, x, i
+
+    def leaf(k):
+        g, x, _ = graph_with_inputs()
+        y = g.call_function(aten.add.Scalar, (x, float(k)))
+        y.meta["val"] = xv
+        g.output(y)
+        return torch.fx.GraphModule({}, g)
+
+    sub = leaf(n)
+    for k in reversed(range(n)):
+        g, x, i = graph_with_inputs()
+        eq = g.call_function(aten.eq.Scalar, (i, k))
+        eq.meta["val"] = bv
+        t, f = g.get_attr("true_graph_0"), g.get_attr("false_graph_0")
+        c = g.call_function(torch.ops.higher_order.cond, (eq, t, f, (x, i)))
+        c.meta["val"] = xv
+        g.output(c)
+        sub = torch.fx.GraphModule({"true_graph_0": leaf(k), "false_graph_0": sub}, g)
+    return sub
+
+
+def test_branches_returning_bare_tensors():
+    gm = bare_output_chain(3)
+    after = cond_to_switch(gm)
+    assert n_conds(after) == 0 and len(switch_nodes(after)) == 1
+    for i in range(-2, 6):
+        out = after(torch.zeros(3), torch.tensor(i))
+        assert isinstance(out, torch.Tensor)
+        torch.testing.assert_close(out, gm(torch.zeros(3), torch.tensor(i)))
+        assert out[0].item() == (i if 0 <= i < 3 else 3)

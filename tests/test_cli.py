@@ -34,10 +34,6 @@ SAVE_SWITCH_OUTPUT_BUG = pytest.mark.xfail(
     reason="branchyard.serialization.save: a switch that is a graph output is lowered to a cond but the "
     "graph signature keeps the switch's name -> torch SpecViolationError",
 )
-SWITCH_TO_COND_META_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="switch_to_cond on an ExportedProgram emits getitem nodes without meta['val'] -> SpecViolationError",
-)
 
 
 def _one_error_line(err: str) -> str:
@@ -110,7 +106,6 @@ def test_rewrite_cond_to_switch(dispatch_pt2, tmp_path, capsys):
             torch.testing.assert_close(rewritten.module()(x, idx), before.module()(x, idx))
 
 
-@SWITCH_TO_COND_META_BUG
 def test_rewrite_round_trip_through_two_passes(dispatch_pt2, tmp_path, capsys):
     out = tmp_path / "round.pt2"
     assert main(["rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch, switch_to_cond"]) == 0

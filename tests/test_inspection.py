@@ -145,11 +145,6 @@ def test_inspect_rejects_non_programs():
         inspect_program("model.pt2")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cond_to_switch bug: leaves of nested levels return ((y,),) where the first leaf returns (y,) when "
-    "branch graphs return a bare value (torch.export's form) -> the switch output is a nested tuple",
-)
 @pytest.mark.parametrize(("split", "n"), [("chain", 4), ("tree", 4)])
 def test_rewritten_example_computes_the_same(split, n):
     """The shipped example through cond_to_switch: same tensor on every path."""

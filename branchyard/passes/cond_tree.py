@@ -395,7 +395,7 @@ def _materialize(root: _Cond, leaf: _Sub, sink: AttrSink) -> tuple[Graph, list[N
     g = Graph()
     phs = []
     for i, op in enumerate(root.parts.operands):
-        ph = g.placeholder(f"_root_arg{i}")
+        ph = g.placeholder(op.name if isinstance(op, Node) else f"const{i}")
         ph.meta = _value_meta(op)
         phs.append(ph)
 
@@ -501,19 +501,22 @@ def analyze_cond_tree(
         if key in used and key not in slot:
             slot[key] = len(operands)
             operands.append(op)
+    # Re-key each leaf's inputs to the switch operands in place: the first
+    # placeholder of each outer value stays (root order = operand order),
+    # later duplicates forward to it, unread ones go.
+    first_pos: dict[Any, int] = {}
+    for i, op in enumerate(root.parts.operands):
+        first_pos.setdefault(_operand_key(op), i)
     leaf_graphs = []
     for g, phs in graphs_phs:
-        first = next(iter(g.nodes))
-        with g.inserting_before(first):
-            new = []
-            for op in operands:
-                ph = g.placeholder(op.name if isinstance(op, Node) else "const")
-                ph.meta = _value_meta(op)
-                new.append(ph)
         for i, ph in enumerate(phs):
-            if ph.users:
-                ph.replace_all_uses_with(new[slot[_operand_key(root.parts.operands[i])]])
-            g.erase_node(ph)
+            key = _operand_key(root.parts.operands[i])
+            keep = first_pos[key]
+            if keep != i:
+                ph.replace_all_uses_with(phs[keep])
+                g.erase_node(ph)
+            elif key not in used:
+                g.erase_node(ph)
         leaf_graphs.append(g)
 
     reps, branch_of_leaf = group_identical([(g, s.attrs) for g, s in zip(leaf_graphs, sinks)])

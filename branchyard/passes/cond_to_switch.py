@@ -68,6 +68,7 @@ from branchyard.passes.control_flow import (
     gc_paused,
     inline_graph,
     new_graph_module,
+    realize_lazy_modules,
     is_cond,
     node_value,
 )
@@ -271,7 +272,9 @@ def cond_to_switch(program: Program) -> Program:
     [[0.0, 0.0], [2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
     """
     _lint_program(program)
-    return apply_pass(program, CondToSwitch())
+    out = apply_pass(program, CondToSwitch())
+    realize_lazy_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
+    return out
 
 
 def _lint_program(program: Any) -> None:

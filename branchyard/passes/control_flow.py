@@ -56,6 +56,8 @@ __all__ = [
     "resolve_attr",
     "inline_graph",
     "new_graph_module",
+    "realize_lazy_modules",
+    "realize_branch_modules",
     "gc_paused",
     "erase_dead_inputs",
     "replace_with_outputs",
@@ -351,10 +353,35 @@ class AttrSink:
 def new_graph_module(attrs: dict[str, Any], graph: Graph) -> GraphModule:
     """A GraphModule over ``graph`` whose Python code is generated lazily
     (on first call or ``.code``): a pass creating hundreds of branch graphs
-    should not pay for code generation the next compiler stage never uses."""
+    should not pay for code generation the next compiler stage never uses.
+    See :func:`realize_lazy_modules` for handing results to Dynamo."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     return _LazyGraphModule(attrs, graph)
+
+
+def realize_lazy_modules(gm: GraphModule) -> None:
+    """Replace every lazily compiled module under ``gm`` by an eager one.
+
+    Dynamo refuses to trace ``_LazyGraphModule``'s lazy forward (torch.fx is
+    on its skip list), so ``torch.compile(program.module())`` needs this;
+    the function forms of the passes call it, the pass objects (used inside
+    compilers, which call the modules directly) do not.
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    # Copies of a lazy module are lazy again (ExportedProgram.module() copies),
+    # so swap in eager GraphModules rather than compiling the lazy ones.
+    stack: list[torch.nn.Module] = [gm]
+    while stack:
+        m = stack.pop()
+        for name, child in list(m.named_children()):
+            if isinstance(child, _LazyGraphModule):
+                eager = GraphModule(child, child.graph)
+                eager.meta = dict(getattr(child, "meta", {}))
+                setattr(m, name, eager)
+                child = eager
+            stack.append(child)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ from branchyard.passes.control_flow import (
     gc_paused,
     inline_graph,
     new_graph_module,
+    realize_lazy_modules,
     is_switch,
     node_value,
     switch_parts,
@@ -215,4 +216,6 @@ def switch_to_cond(program: Program) -> Program:
     from branchyard.passes.cond_to_switch import _lint_program
 
     _lint_program(program)
-    return apply_pass(program, SwitchToCond())
+    out = apply_pass(program, SwitchToCond())
+    realize_lazy_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
+    return out

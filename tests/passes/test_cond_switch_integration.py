@@ -200,3 +200,14 @@ def test_dynamo_graph_with_predicate_computed_in_a_branch():
             x = X.abs() * s
             torch.testing.assert_close(compiled(torch.tensor(p), x), f(torch.tensor(p), x))
     assert rewritten == [(0, 1)]
+
+
+def test_torch_compile_of_the_rewritten_program_module(nonstrict, model):
+    # Dynamo must be able to trace the switch branches of program.module().
+    torch._dynamo.reset()
+    back = switch_to_cond(nonstrict[1])
+    for prog in (nonstrict[1], back):
+        compiled = torch.compile(prog.module(), backend="eager", fullgraph=True)
+        for i in (-1, 0, 2, 3):
+            torch.testing.assert_close(compiled(torch.tensor(i), X), eager_reference(model, i, X))
+    torch._dynamo.reset()

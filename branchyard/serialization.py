@@ -59,6 +59,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH, TORCH_VERSION
 from branchyard.errors import SerializationError
+from branchyard.passes.infra import copy_graph_module
 
 __all__ = ["save", "load", "lower_switches_for_save", "restore_switches", "MARKER_FILE", "MARKER_KEY"]
 
@@ -172,12 +173,16 @@ def _chain_level(k: int, n: int, branches: list[GraphModule], operand_vals: list
     rest = branches[k + 1] if k + 1 == n - 1 else _chain_level(k + 1, n, branches, operand_vals, index_val, out_val, tag)
     cond = _emit_cond(graph, owner, pred, branches[k], rest, (*phs, index), out_val,
                       {**tag, "level": k}, f"level{k}")
-    outs = []
-    for j, v in enumerate(out_val):
-        g = graph.call_function(operator.getitem, (cond, j))
-        g.meta["val"] = v
-        outs.append(g)
-    graph.output(tuple(outs))
+    if isinstance(out_val, (tuple, list)):
+        outs = []
+        for j, v in enumerate(out_val):
+            g = graph.call_function(operator.getitem, (cond, j))
+            g.meta["val"] = v
+            outs.append(g)
+        graph.output(tuple(outs))
+    else:
+        # Branches that return a bare value (not a tuple): so does this level.
+        graph.output(cond)
     return GraphModule(owner, graph, class_name=f"branchyard_switch_level{k}")
 
 
@@ -225,6 +230,9 @@ def _lower_switch(gm: GraphModule, node: Node) -> None:
     _copy_meta(node, cond)
     node.replace_all_uses_with(cond)
     gm.graph.erase_node(node)
+    # The cond takes the switch's name: the program's output specs name a
+    # switch that is itself a graph output.
+    cond.name = tag["name"]
     for b in dict.fromkeys(branch_nodes):
         if not b.users:
             gm.graph.erase_node(b)
@@ -240,7 +248,7 @@ def lower_switches_for_save(program: ExportedProgram) -> tuple[ExportedProgram, 
     ``program`` itself is not changed. The copy runs like the original for
     every index (out-of-range ones clamp the same way) and torch can save it.
     """
-    gm = copy.deepcopy(program.graph_module)
+    gm = copy_graph_module(program.graph_module)
     count = 0
     while True:
         found = next(

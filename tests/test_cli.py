@@ -28,14 +28,6 @@ def dispatch_pt2(tmp_path_factory) -> Path:
     return path
 
 
-# Known bugs in other modules, found by these tests (strict: they fail loudly once fixed).
-SAVE_SWITCH_OUTPUT_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="branchyard.serialization.save: a switch that is a graph output is lowered to a cond but the "
-    "graph signature keeps the switch's name -> torch SpecViolationError",
-)
-
-
 def _one_error_line(err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -86,7 +78,6 @@ def test_inspect_json(dispatch_pt2, capsys):
     assert "x" in tree["duplicated_operands"]
 
 
-@SAVE_SWITCH_OUTPUT_BUG
 def test_rewrite_cond_to_switch(dispatch_pt2, tmp_path, capsys):
     out = tmp_path / "switch.pt2"
     assert main(["rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch"]) == 0
@@ -155,7 +146,6 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@SAVE_SWITCH_OUTPUT_BUG
 def test_python_m_branchyard_example_then_rewrite(tmp_path):
     """The README's command, as a real process."""
     done = _run("example", "expert-dispatch", "-o", "dispatch.pt2", cwd=tmp_path)

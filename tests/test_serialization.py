@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.export import ExportedProgram
 
+import branchyard
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import SerializationError
 from branchyard.passes.infra import iter_graph_modules
@@ -333,3 +334,24 @@ def test_round_trip_property_on_random_switch_programs(tmp_path):
         assert_equivalent(ep, torch.export.load(path), args)
 
     check()
+
+
+def test_round_trip_of_a_rewritten_program_whose_switch_is_the_graph_output(tmp_path):
+    # Regression: the example's experts return bare tensors and the switch is
+    # the graph output; saving renamed it (output spec mismatch) and the cond
+    # chain unpacked the bare [4, 16] output as if it were a 4-tuple.
+    from branchyard.examples import example_program
+    from branchyard.passes.cond_to_switch import cond_to_switch
+
+    program = cond_to_switch(example_program("expert-dispatch", 4, dim=8))
+    path = tmp_path / "dispatch-switch.pt2"
+    branchyard.save(program, path)
+    loaded = branchyard.load(path)
+    switches = [n for n in loaded.graph.nodes if n.target is torch.ops.higher_order.switch]
+    assert len(switches) == 1 and len(switches[0].args[1]) == 4
+    out = next(n for n in loaded.graph.nodes if n.op == "output")
+    assert out.args[0][0] is switches[0]
+    x = torch.randn(4, 8)
+    for idx in (-3, 0, 1, 2, 3, 9):
+        i = torch.tensor(idx)
+        torch.testing.assert_close(loaded.module()(x, i), program.module()(x, i))

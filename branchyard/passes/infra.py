@@ -55,6 +55,7 @@ __all__ = [
     "apply_pass",
     "lint_graph_module",
     "iter_graph_modules",
+    "copy_graph_module",
     "Pipeline",
     "PipelineResult",
     "PASS_REGISTRY",
@@ -171,7 +172,7 @@ def lint_graph_module(gm: GraphModule) -> None:
             ) from exc
 
 
-def _copy_graph_module(gm: GraphModule) -> GraphModule:
+def copy_graph_module(gm: GraphModule) -> GraphModule:
     """Deep copy ``gm`` keeping every node's name.
 
     ``copy.deepcopy`` re-uniquifies names against Python builtins (``input``
@@ -263,11 +264,11 @@ class Pipeline:
     def __call__(self, program: Program) -> PipelineResult:
         _check_input(program)
         if isinstance(program, GraphModule):
-            gm, modified = self._run(_copy_graph_module(program))
+            gm, modified = self._run(copy_graph_module(program))
             out: Any = gm
         else:
             # Run on a copy of the graph; the state dict and constants are shared.
-            fresh = program._update(_copy_graph_module(program.graph_module), program.graph_signature)
+            fresh = program._update(copy_graph_module(program.graph_module), program.graph_signature)
             holder: dict[str, bool] = {}
 
             def run_all(gm: GraphModule) -> PassResult:

@@ -301,7 +301,8 @@ def case_name(c: Case) -> str:
 def markdown(cases: list[Case], scaling: list[dict[str, float]], meta: dict[str, str]) -> str:
     out = [SECTION, ""]
     out.append(
-        f"Measured {meta['date']} on {meta['machine']}; torch {meta['torch']}, Python {meta['python']}; "
+        f"Measured {meta['date']} on {meta['machine']}; torch {meta['torch']}, Python {meta['python']}, "
+        f"branchyard {meta.get('commit', 'unknown')}; "
         f"`python benchmarks/cond_switch.py{' --quick' if meta['quick'] else ''}` "
         f"(total {meta['total_s']} s). CPU, shared and noisy: read the ratios, not the absolute times. "
         "Programs are built by `branchyard.examples.builder` (the graph torch.export produces for the "
@@ -332,6 +333,15 @@ def markdown(cases: list[Case], scaling: list[dict[str, float]], meta: dict[str,
             f"{n.eager_us:.0f} → {s.eager_us:.0f} | {fmt(n.reexport_s)} → {fmt(s.reexport_s)} |"
         )
     out += ["", "Targets:", ""] + [f"- {t}" for t in targets(cases, scaling)]
+    trees = [c for c in cases if c.family == "tree"]
+    more_ph = [c.size for c in trees if c.switch.placeholders > c.nested.placeholders]
+    slower = [c.size for c in trees if c.switch.eager_us > 1.1 * c.nested.eager_us]
+    if more_ph:
+        out += ["", "Every switch branch takes all of the tree's deduplicated operands, so the switch program's "
+                "placeholders grow as branches × operands. In an `idx == k` chain each level already passes every "
+                "later expert's weights, and the count shrinks; in a balanced tree each subtree passes only its own "
+                f"experts' weights, and the switch has more placeholders from depth {min(more_ph)} on"
+                + (f" and a slower eager call (> 1.1×) at depth {', '.join(map(str, slower))}." if slower else ".")]
     notes = [f"{case_name(c)}, {side}: {note}" for c in cases
              for side, sd in (("nested", c.nested), ("switch", c.switch)) for note in sd.notes]
     if notes:
@@ -397,6 +407,16 @@ def write_docs(text: str) -> None:
     DOCS.write_text(doc[:start] + text + ("\n" if nxt != -1 else "") + doc[end:])
 
 
+def git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (~3 min)")
@@ -449,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "quick": args.quick,
         "total_s": f"{time.perf_counter() - t0:.0f}",
+        "commit": git_commit(),
     }
     text = markdown(cases, scaling, meta)
     print(text)

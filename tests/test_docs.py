@@ -17,7 +17,7 @@ BLOCK = re.compile(r"(<!--\s*(?P<tag>[\w-]+)(?::[^>]*)?\s*-->\s*\n)?```python\n(
 
 
 def _doc_files():
-    return sorted(DOCS.glob("*.md"))
+    return sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"]
 
 
 @pytest.mark.parametrize("path", _doc_files(), ids=lambda p: p.name)

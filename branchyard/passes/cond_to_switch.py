@@ -253,7 +253,7 @@ class CondToSwitch(BranchyardPass):
         >>> torch._inductor.config.pre_grad_custom_pass = CondToSwitch.as_inductor_pre_grad_pass()
         >>> torch._inductor.config.pre_grad_custom_pass = None
         """
-        return inductor_pre_grad_pass
+        return __getattr__("inductor_pre_grad_pass")
 
 
 def cond_to_switch(program: Program) -> Program:
@@ -323,5 +323,16 @@ def _make_inductor_pass() -> Callable[[torch.fx.Graph], None]:
     return _CondToSwitchPreGrad()
 
 
-#: Ready-made value for ``torch._inductor.config.pre_grad_custom_pass``.
-inductor_pre_grad_pass = _make_inductor_pass()
+_INDUCTOR_PASS: Any = None
+
+
+def __getattr__(name: str) -> Any:
+    # ``inductor_pre_grad_pass``: the ready-made value for
+    # ``torch._inductor.config.pre_grad_custom_pass``, built on first use so
+    # importing branchyard does not import Inductor (about a second).
+    global _INDUCTOR_PASS
+    if name == "inductor_pre_grad_pass":
+        if _INDUCTOR_PASS is None:
+            _INDUCTOR_PASS = _make_inductor_pass()
+        return _INDUCTOR_PASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

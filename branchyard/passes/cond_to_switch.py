@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from branchyard._compat import switch_op
 from branchyard.errors import BranchyardError
@@ -199,13 +200,17 @@ class CondToSwitch(BranchyardPass):
 
     name = "cond-to-switch"
 
+    def call(self, graph_module: GraphModule) -> PassResult:
+        # The GC pause covers the base class's recompile and lint too.
+        with gc_paused():
+            return super().call(graph_module)
+
     def run(self, graph_module: GraphModule) -> bool:
         lint_graph_module(graph_module)
         for key in _STATS:
             self.report.stats[key] = 0
         switch_op()  # fail early and clearly on a torch without switch
-        with gc_paused():
-            return self._process(graph_module, set())
+        return self._process(graph_module, set())
 
     def _process(self, gm: GraphModule, seen: set[int]) -> bool:
         if id(gm) in seen:

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassResult
 
 from branchyard.errors import MalformedGraphError
 from branchyard.passes.control_flow import (
@@ -158,11 +159,15 @@ class SwitchToCond(BranchyardPass):
 
     name = "switch-to-cond"
 
+    def call(self, graph_module: GraphModule) -> PassResult:
+        # The GC pause covers the base class's recompile and lint too.
+        with gc_paused():
+            return super().call(graph_module)
+
     def run(self, graph_module: GraphModule) -> bool:
         lint_graph_module(graph_module)
         self.report.stats.update(switches_lowered=0, conds_created=0)
-        with gc_paused():
-            return self._process(graph_module, set())
+        return self._process(graph_module, set())
 
     def _process(self, gm: GraphModule, seen: set[int]) -> bool:
         if id(gm) in seen:

@@ -35,6 +35,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import MalformedGraphError
+from branchyard.passes.infra import realize_graph_modules
 
 __all__ = [
     "COND",
@@ -365,23 +366,11 @@ def realize_lazy_modules(gm: GraphModule) -> None:
 
     Dynamo refuses to trace ``_LazyGraphModule``'s lazy forward (torch.fx is
     on its skip list), so ``torch.compile(program.module())`` needs this;
-    the function forms of the passes call it, the pass objects (used inside
-    compilers, which call the modules directly) do not.
+    the function forms return eager modules (the pipeline realizes them), the
+    pass objects (used inside compilers, which call the modules directly) do
+    not. ``gm`` itself must be eager; its subtree is updated in place.
     """
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    # Copies of a lazy module are lazy again (ExportedProgram.module() copies),
-    # so swap in eager GraphModules rather than compiling the lazy ones.
-    stack: list[torch.nn.Module] = [gm]
-    while stack:
-        m = stack.pop()
-        for name, child in list(m.named_children()):
-            if isinstance(child, _LazyGraphModule):
-                eager = GraphModule(child, child.graph)
-                eager.meta = dict(getattr(child, "meta", {}))
-                setattr(m, name, eager)
-                child = eager
-            stack.append(child)
+    realize_graph_modules(gm)
 
 
 @contextlib.contextmanager

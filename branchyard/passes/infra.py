@@ -56,6 +56,7 @@ __all__ = [
     "lint_graph_module",
     "iter_graph_modules",
     "copy_graph_module",
+    "realize_graph_modules",
     "Pipeline",
     "PipelineResult",
     "PASS_REGISTRY",
@@ -172,26 +173,76 @@ def lint_graph_module(gm: GraphModule) -> None:
             ) from exc
 
 
-def copy_graph_module(gm: GraphModule) -> GraphModule:
-    """Deep copy ``gm`` keeping every node's name.
+def copy_graph_module(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
+    """Copy ``gm`` and every GraphModule under it, keeping every node's name.
 
-    ``copy.deepcopy`` re-uniquifies names against Python builtins (``input``
-    becomes ``input_1``), which breaks an ExportedProgram's signature, since
-    that refers to placeholders by name.
+    Tensors (parameters, buffers, constants) are deep-copied; node ``meta`` is
+    copied shallowly (its fake values are never mutated); a subgraph shared by
+    several parents stays shared.
+
+    Unlike ``copy.deepcopy``, names that shadow Python builtins survive
+    (``input`` stays ``input``, which an ExportedProgram's signature needs),
+    and code generation runs once per module instead of once per ancestor
+    (every ``GraphModule.recompile`` recompiles all its descendants, so a deep
+    copy of nested control flow is O(nodes x depth)). With ``lazy=True`` the
+    copy's modules generate code on first use; :func:`realize_graph_modules`
+    makes them eager.
     """
-    new = copy.deepcopy(gm)
-    for qualname, sub in gm.named_modules():
-        if not isinstance(sub, GraphModule):
-            continue
-        new_sub = new.get_submodule(qualname) if qualname else new
-        renamed = False
-        for old_node, new_node in zip(sub.graph.nodes, new_sub.graph.nodes):
-            if new_node.name != old_node.name:
-                new_node.name = old_node.name
-                renamed = True
-        if renamed:
-            new_sub.recompile()
+    copy_ = _copy_lazily(gm, {})
+    return copy_ if lazy else realize_graph_modules(copy_)
+
+
+def _copy_lazily(gm: GraphModule, memo: dict[int, Any]) -> GraphModule:
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if id(gm) in memo:
+        return memo[id(gm)]
+    root = torch.nn.Module()
+    for name, child in gm.named_children():
+        twin = _copy_lazily(child, memo) if isinstance(child, GraphModule) else copy.deepcopy(child, memo)
+        root.add_module(name, twin)
+    for name, p in gm.named_parameters(recurse=False):
+        root.register_parameter(name, copy.deepcopy(p, memo))
+    for name, b in gm.named_buffers(recurse=False):
+        root.register_buffer(name, copy.deepcopy(b, memo), persistent=name not in gm._non_persistent_buffers_set)
+    for node in gm.graph.nodes:  # plain attributes (tensor constants, opaque objects)
+        head = str(node.target).split(".")[0] if node.op == "get_attr" else None
+        if head is not None and not hasattr(root, head):
+            setattr(root, head, copy.deepcopy(getattr(gm, head), memo))
+    graph = copy.deepcopy(gm.graph)
+    for old_node, new_node in zip(gm.graph.nodes, graph.nodes):
+        new_node.name = old_node.name  # deepcopy renames builtin-shadowing names
+    new = _LazyGraphModule(root, graph, class_name=type(gm).__name__)
+    new.meta = copy.copy(getattr(gm, "meta", {}))
+    memo[id(gm)] = new
     return new
+
+
+def realize_graph_modules(gm: GraphModule) -> GraphModule:
+    """Replace every lazily compiled module in ``gm``'s tree by an eager one
+    (Dynamo will not trace a lazy module's forward); returns the new root."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    def eager(m: GraphModule) -> GraphModule:
+        # Children are still lazy here, so this recompiles only m's own code.
+        out = GraphModule(m, m.graph, class_name=type(m).__name__)
+        out.meta = copy.copy(getattr(m, "meta", {}))
+        return out
+
+    root = eager(gm) if isinstance(gm, _LazyGraphModule) else gm
+    done: dict[int, GraphModule] = {}
+    stack: list[torch.nn.Module] = [root]
+    while stack:
+        m = stack.pop()
+        for name, child in list(m.named_children()):
+            if isinstance(child, _LazyGraphModule):
+                if id(child) not in done:
+                    done[id(child)] = eager(child)
+                    stack.append(done[id(child)])
+                setattr(m, name, done[id(child)])
+            elif isinstance(child, GraphModule):
+                stack.append(child)
+    return root
 
 
 def _check_input(program: Any) -> None:
@@ -263,12 +314,15 @@ class Pipeline:
 
     def __call__(self, program: Program) -> PipelineResult:
         _check_input(program)
+        if self.lint:
+            # Before copying: a graph that fails lint may not even copy.
+            lint_graph_module(program if isinstance(program, GraphModule) else program.graph_module)
         if isinstance(program, GraphModule):
-            gm, modified = self._run(copy_graph_module(program))
-            out: Any = gm
+            gm, modified = self._run(copy_graph_module(program, lazy=True))
+            out: Any = realize_graph_modules(gm)
         else:
             # Run on a copy of the graph; the state dict and constants are shared.
-            fresh = program._update(copy_graph_module(program.graph_module), program.graph_signature)
+            fresh = program._update(copy_graph_module(program.graph_module, lazy=True), program.graph_signature)
             holder: dict[str, bool] = {}
 
             def run_all(gm: GraphModule) -> PassResult:
@@ -278,6 +332,7 @@ class Pipeline:
 
             out = fresh._transform_do_not_use(run_all)
             modified = holder.get("modified", False)
+            realize_graph_modules(out.graph_module)
             if modified:
                 out.validate()
         reports = [p.report for p in self.passes if isinstance(p, BranchyardPass)]

@@ -16,10 +16,9 @@ with torch's caching allocator; importing this package needs neither CUDA nor
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, Sequence
 
+from branchyard.lowering._callable_package import make_package_callable
 from branchyard.lowering.cuda_graph.analysis import ControlFlowReport, ControlFlowSite, analyze
 from branchyard.lowering.cuda_graph.backend import cuda_graph_backend
 from branchyard.lowering.cuda_graph.capture import CudaGraphFallbackWarning, CudaGraphModule
@@ -76,12 +75,4 @@ def cuda_graph(
     )
 
 
-class _CallableModule(types.ModuleType):
-    """Lets ``branchyard.lowering.cuda_graph(program, inputs)`` call :func:`cuda_graph`
-    while ``branchyard.lowering.cuda_graph`` stays the package (submodules import)."""
-
-    def __call__(self, program: Any, example_inputs: Sequence[Any], **options: Any) -> CudaGraphModule:
-        return cuda_graph(program, example_inputs, **options)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_package_callable(__name__, cuda_graph)

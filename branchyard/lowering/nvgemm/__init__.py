@@ -24,9 +24,8 @@ Importing this package registers the custom op; it needs neither CUDA nor
     1
 """
 
-import sys
-import types
 
+from branchyard.lowering._callable_package import make_package_callable
 from branchyard.lowering.nvgemm.epilogue import (
     ACTIVATIONS,
     EPILOGUE_OPS,
@@ -59,12 +58,4 @@ __all__ = [
 ]
 
 
-class _CallableModule(types.ModuleType):
-    """Lets ``branchyard.lowering.nvgemm(program)`` call :func:`nvgemm` while
-    ``branchyard.lowering.nvgemm`` stays the package (submodules import)."""
-
-    def __call__(self, program):
-        return nvgemm(program)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_package_callable(__name__, nvgemm)

@@ -448,7 +448,7 @@ def compile_fused_gemm(
 ) -> Callable[..., None]:
     """Compile (or fetch from the in-process cache) the fused GEMM for ``spec``.
 
-    ``spec`` is an ``EpilogueSpec`` (or its string, or ``KernelStep``\ s);
+    ``spec`` is an ``EpilogueSpec`` (or its string, or ``KernelStep`` steps);
     ``dtype`` the dtype of ``a`` and ``b`` (bfloat16 or float16);
     ``b_layout`` / ``out_dtype`` default to the spec's ``weight_layout`` /
     ``out_dtype`` (else ``"kn"`` / ``dtype``); ``operand_dtypes`` are the

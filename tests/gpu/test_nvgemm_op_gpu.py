@@ -6,7 +6,7 @@ the cuBLASLt / cuBLAS / Inductor candidates' numerics.
 
 Skipped without CUDA (tests/gpu/conftest.py). Tests that need our CuTeDSL
 kernel skip without it. To keep compile time bounded, the autotuner here
-offers one CuTeDSL config (128x128, the one tests/gpu/test_nvgemm_kernel.py
+offers one CuTeDSL config (128x128, the one tests/gpu/test_nvgemm_kernel_gpu.py
 compiles, so the in-process compile cache is shared), no Inductor and no
 cutlass-operators GEMM, except in their own tests.
 """

@@ -48,13 +48,11 @@ from typing import Any, Callable
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassResult
 
 from branchyard._compat import switch_op
 from branchyard.errors import BranchyardError
 from branchyard.passes.cond_tree import (
     CondTree,
-    _Cond,
     _Plan,
     _Sub,
     analyze_cond_tree,
@@ -66,7 +64,7 @@ from branchyard.passes.control_flow import (
     emit,
     erase_dead_inputs,
     replace_with_outputs,
-    gc_paused,
+    rewrite_graphs,
     inline_graph,
     new_graph_module,
     realize_lazy_modules,
@@ -199,43 +197,25 @@ class CondToSwitch(BranchyardPass):
     """Flatten every maximal nested-cond tree into one switch (see the module docstring)."""
 
     name = "cond-to-switch"
-
-    def call(self, graph_module: GraphModule) -> PassResult:
-        # The GC pause covers the base class's recompile and lint too.
-        with gc_paused():
-            return super().call(graph_module)
+    pause_gc = True
 
     def run(self, graph_module: GraphModule) -> bool:
         lint_graph_module(graph_module)
         for key in _STATS:
             self.report.stats[key] = 0
         switch_op()  # fail early and clearly on a torch without switch
-        return self._process(graph_module, set())
+        return rewrite_graphs(graph_module, self._rewrite_tree)
 
-    def _process(self, gm: GraphModule, seen: set[int]) -> bool:
-        if id(gm) in seen:
+    def _rewrite_tree(self, gm: GraphModule, node: Node, dead_attrs: set[str]) -> bool:
+        if not is_cond(node):
             return False
-        seen.add(id(gm))
-        changed = False
-        dead_attrs: set[str] = set()
-        for node in list(gm.graph.nodes):
-            if not is_cond(node):
-                continue
-            tree = analyze_cond_tree(gm, node, self.skip)
-            if isinstance(tree, str):
-                self.skip(node, tree)
-                continue
-            _rewrite(tree, dead_attrs)
-            self._count(tree)
-            changed = True
-        if dead_attrs:
-            live = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-            for name in dead_attrs - live:
-                delattr(gm, name)
-        for child in list(gm.children()):
-            if isinstance(child, GraphModule):
-                changed |= self._process(child, seen)
-        return changed
+        tree = analyze_cond_tree(gm, node, self.skip)
+        if isinstance(tree, str):
+            self.skip(node, tree)
+            return False
+        _rewrite(tree, dead_attrs)
+        self._count(tree)
+        return True
 
     def _count(self, tree: CondTree) -> None:
         plan = tree._plan

@@ -33,10 +33,12 @@ end, and returns the reports of all passes::
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
+import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar, Union
+from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
 
 import torch
 from torch.export import ExportedProgram
@@ -55,6 +57,7 @@ __all__ = [
     "apply_pass",
     "lint_graph_module",
     "iter_graph_modules",
+    "gc_paused",
     "copy_graph_module",
     "realize_graph_modules",
     "Pipeline",
@@ -117,6 +120,9 @@ class BranchyardPass(PassBase):
     name: ClassVar[str] = "branchyard-pass"
     #: Whether to run DCE on every graph after a modifying run.
     eliminate_dead_code: ClassVar[bool] = False
+    #: Whether to pause the cyclic GC for the run, recompile and lint (see
+    #: :func:`gc_paused`); worth it for passes that create many subgraphs.
+    pause_gc: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.report = PassReport(self.name)
@@ -132,6 +138,10 @@ class BranchyardPass(PassBase):
         logger.debug("%s", entry)
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        with gc_paused() if self.pause_gc else contextlib.nullcontext():
+            return self._call(graph_module)
+
+    def _call(self, graph_module: GraphModule) -> PassResult:
         self.report = PassReport(self.name)
         modified = bool(self.run(graph_module))
         if modified:
@@ -145,6 +155,25 @@ class BranchyardPass(PassBase):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a rewrite.
+
+    A pass over a large graph allocates many small objects while millions of
+    fake tensors and nodes are alive; each generation-2 collection walks all of
+    them, which made rewrite time grow faster than linearly (measured: 2.7 s
+    vs 1.5 s for 2,000 conds). Nothing a rewrite creates needs cycle
+    collection before it ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def iter_graph_modules(gm: GraphModule) -> Iterator[GraphModule]:

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassResult
 
 from branchyard.errors import MalformedGraphError
 from branchyard.passes.control_flow import (
@@ -55,7 +54,7 @@ from branchyard.passes.control_flow import (
     erase_dead_inputs,
     replace_with_outputs,
     returns_sequence,
-    gc_paused,
+    rewrite_graphs,
     inline_graph,
     new_graph_module,
     realize_lazy_modules,
@@ -158,35 +157,18 @@ class SwitchToCond(BranchyardPass):
     """Lower every switch to a balanced cond tree (see the module docstring)."""
 
     name = "switch-to-cond"
-
-    def call(self, graph_module: GraphModule) -> PassResult:
-        # The GC pause covers the base class's recompile and lint too.
-        with gc_paused():
-            return super().call(graph_module)
+    pause_gc = True
 
     def run(self, graph_module: GraphModule) -> bool:
         lint_graph_module(graph_module)
         self.report.stats.update(switches_lowered=0, conds_created=0)
-        return self._process(graph_module, set())
+        return rewrite_graphs(graph_module, self._lower_switch)
 
-    def _process(self, gm: GraphModule, seen: set[int]) -> bool:
-        if id(gm) in seen:
+    def _lower_switch(self, gm: GraphModule, node: Node, dead: set[str]) -> bool:
+        if not is_switch(node):
             return False
-        seen.add(id(gm))
-        changed = False
-        dead: set[str] = set()
-        for node in list(gm.graph.nodes):
-            if is_switch(node):
-                self._lower(gm, node, dead)
-                changed = True
-        if dead:
-            live = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-            for name in dead - live:
-                delattr(gm, name)
-        for child in list(gm.children()):
-            if isinstance(child, GraphModule):
-                changed |= self._process(child, seen)
-        return changed
+        self._lower(gm, node, dead)
+        return True
 
     def _lower(self, gm: GraphModule, node: Node, dead: set[str]) -> None:
         parts = switch_parts(gm, node)

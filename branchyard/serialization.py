@@ -59,7 +59,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH, TORCH_VERSION
 from branchyard.errors import SerializationError
-from branchyard.passes.infra import copy_graph_module
+from branchyard.passes.infra import copy_graph_module, iter_graph_modules
 
 __all__ = ["save", "load", "lower_switches_for_save", "restore_switches", "MARKER_FILE", "MARKER_KEY"]
 
@@ -76,16 +76,6 @@ _cond_op = torch.ops.higher_order.cond
 
 def _is_switch(node: Node) -> bool:
     return HAS_SWITCH and node.op == "call_function" and node.target is torch.ops.higher_order.switch
-
-
-def _iter_graph_modules(gm: GraphModule):
-    # Local walk (not infra.iter_graph_modules) because we mutate as we go and
-    # want a fresh listing each time.
-    stack = [gm]
-    while stack:
-        m = stack.pop()
-        yield m
-        stack.extend(c for c in m.children() if isinstance(c, GraphModule))
 
 
 def _fresh_attr(owner: torch.nn.Module, base: str) -> str:
@@ -252,7 +242,7 @@ def lower_switches_for_save(program: ExportedProgram) -> tuple[ExportedProgram, 
     count = 0
     while True:
         found = next(
-            ((m, n) for m in _iter_graph_modules(gm) for n in m.graph.nodes if _is_switch(n)),
+            ((m, n) for m in iter_graph_modules(gm) for n in m.graph.nodes if _is_switch(n)),
             None,
         )
         if found is None:
@@ -367,7 +357,7 @@ def restore_switches(program: ExportedProgram) -> tuple[ExportedProgram, int]:
     count = 0
     while True:
         found = next(
-            ((m, n, t) for m in _iter_graph_modules(gm) for n in m.graph.nodes if (t := _tag(n)) is not None),
+            ((m, n, t) for m in iter_graph_modules(gm) for n in m.graph.nodes if (t := _tag(n)) is not None),
             None,
         )
         if found is None:

@@ -274,46 +274,6 @@ def test_op_runs_the_process_autotuner_when_eligible(tmp_path, monkeypatch):
         at.set_autotuner(None)
 
 
-def test_cutedsl_candidates_use_the_disk_kernel_cache_when_the_kernel_module_can_export(tmp_path, monkeypatch):
-    """If cutedsl_gemm can export/load compiled kernels, the CuTeDSL candidates
-    go through KernelCache: a second process loads instead of compiling."""
-    from branchyard.lowering.nvgemm import cutedsl_gemm
-
-    exported = []
-
-    def export(spec, dtype, config, directory, **kw):
-        exported.append(config.name)
-        (directory / "kernel.bin").write_text(f"{spec}|{config.name}|{kw['b_layout']}")
-
-    def load(directory):
-        text = (directory / "kernel.bin").read_text()
-
-        def fn(a, b_kn, ops, out):
-            out.copy_(torch.relu(a @ b_kn + ops[0]))
-
-        fn.text = text
-        return fn
-
-    monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cutedsl_gemm, "cutedsl_available", lambda: (True, ""))
-    monkeypatch.setattr(cutedsl_gemm, "export_fused_gemm", export, raising=False)
-    monkeypatch.setattr(cutedsl_gemm, "load_fused_gemm", load, raising=False)
-    a, b, ops = _inputs()
-    problem = Problem.of(a, b, ops, SPEC)
-    names = [c.name for c in at._cutedsl_candidates(problem)]
-    assert names and all(n.startswith("cutedsl:t64x") for n in names), names
-    for round_ in range(2):
-        at._kernel_cache.cache_clear()  # a fresh process
-        cand = at._cutedsl_candidates(problem)[0]
-        impl = cand.build(problem)
-        out = torch.empty(8, 16)
-        torch.testing.assert_close(impl(a, b, ops, out), torch.relu(a @ b + ops[0]))
-    at._kernel_cache.cache_clear()  # do not leave a cache rooted in tmp_path behind
-    assert exported == [names[0].removeprefix("cutedsl:")], "the second build loads from disk"
-    (entry,) = (tmp_path / "nvgemm" / "kernels").iterdir()
-    assert (entry / "kernel.bin").read_text() == f"w=kn;bias@0;relu;out=float32|{exported[0]}|kn"
-
-
 @pytest.mark.parametrize(
     "text, applies",
     [("scale:0.5;residual@0", True), ("bias@0", True), ("residual@0", True), ("bias@0;relu", False),

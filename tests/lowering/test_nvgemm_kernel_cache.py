@@ -147,3 +147,230 @@ def test_a_build_that_raises_publishes_nothing(tmp_path):
         cache.get_or_build(KEY, boom, lambda d: None)
     assert list((tmp_path / "kernels").iterdir()) == []
     assert cache.check(KEY) == "absent"
+
+
+# --- compiled CuTeDSL kernels in the cache (cutedsl_gemm), with a fake compiler ---------
+
+import torch  # noqa: E402
+
+from branchyard.lowering.nvgemm import autotune as at  # noqa: E402
+from branchyard.lowering.nvgemm import cutedsl_gemm as cg  # noqa: E402
+from branchyard.lowering.nvgemm import kernel_cache as kc  # noqa: E402
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec  # noqa: E402
+
+BF16_SPEC = EpilogueSpec.parse("w=nk;bias@0;relu;out=bfloat16")
+
+
+class FakeCompiler:
+    """Stands in for CuTeDSL: ``compile`` counts compiles and returns an object
+    with ``export_to_c`` (writes the 'object file') and the kernel's call
+    signature ``(a, b_nk, out, operands)``; ``load`` rebuilds it from disk."""
+
+    def __init__(self):
+        self.compiles = 0
+        self.loads = 0
+
+    class Kernel:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def export_to_c(self, path, function_name):
+            open(path, "wb").write(f"ELF|{self.tag}|{function_name}".encode())
+
+        def __call__(self, a, b_nk, out, operands):
+            *tensors, pad = operands
+            assert pad == 0.0, "the trailing scalar of today's call is kept"
+            out.copy_(torch.relu(a.float() @ b_nk.float().t() + tensors[0].float()))
+
+    def compile(self, steps, dtype, out_dtype, operand_dtypes, b_layout, config):
+        self.compiles += 1
+        return self.Kernel(f"{[s.name for s in steps]}|{config.name}|{b_layout}")
+
+    def load(self, directory):
+        self.loads += 1
+        meta = json.loads((directory / "kernel.json").read_text())
+        tag, function = (directory / "kernel.o").read_bytes().decode().split("|", 1)[1].rsplit("|", 1)
+        assert function == meta["function"]
+        return self.Kernel(tag)
+
+
+@pytest.fixture
+def fake_cutedsl(tmp_path, monkeypatch):
+    compiler = FakeCompiler()
+    monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BRANCHYARD_NVGEMM_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(cg, "cutedsl_available", lambda: (True, ""))
+    monkeypatch.setattr(cg, "_compile", compiler.compile)
+    monkeypatch.setattr(cg, "_load", compiler.load)
+    monkeypatch.setattr(cg, "_target_arch", lambda: "sm_90a")
+    fresh_process(monkeypatch)
+    return compiler
+
+
+def fresh_process(monkeypatch):
+    """Forget what this process compiled or loaded (memory caches), keep the disk."""
+    monkeypatch.setattr(cg, "_CACHE", {})
+    monkeypatch.setattr(kc, "_DEFAULTS", {})
+
+
+def _bf16_inputs(m=8, n=16, k=32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16(),
+            [torch.randn(n, generator=g).bfloat16()])
+
+
+def test_compiled_kernel_is_exported_once_and_loaded_by_the_next_process(fake_cutedsl, tmp_path, monkeypatch):
+    a, w, ops = _bf16_inputs()
+    want = torch.relu(a.float() @ w.float().t() + ops[0].float()).bfloat16()
+    config = cg.GemmConfig(128, 256)
+    for process in range(3):
+        fresh_process(monkeypatch)
+        fn = cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, config)
+        out = torch.empty(8, 16, dtype=torch.bfloat16)
+        fn(a, w.t(), ops, out)
+        torch.testing.assert_close(out, want)
+        stats = kc.default_kernel_cache().stats
+        assert stats == ({"hits": 0, "builds": 1, "rebuilt": 0} if process == 0 else
+                         {"hits": 1, "builds": 0, "rebuilt": 0}), (process, stats)
+    assert fake_cutedsl.compiles == 1 and fake_cutedsl.loads == 3  # the builder loads what it exported too
+    (entry,) = (tmp_path / "nvgemm" / "kernels").iterdir()
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert sorted(manifest["files"]) == ["kernel.json", "kernel.o"]
+    assert manifest["key"]["config"]["tile_n"] == 256 and manifest["key"]["arch"] == "sm_90a"
+    assert manifest["key"]["source"] == cg._source_digest()
+
+
+def test_truncated_object_file_is_detected_and_recompiled(fake_cutedsl, tmp_path, monkeypatch, caplog):
+    config = cg.GemmConfig(128, 128)
+    cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, config)
+    (entry,) = (tmp_path / "nvgemm" / "kernels").iterdir()
+    obj = entry / "kernel.o"
+    obj.write_bytes(obj.read_bytes()[:5])
+    fresh_process(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, config)
+    assert kc.default_kernel_cache().stats == {"hits": 0, "builds": 1, "rebuilt": 1}
+    assert fake_cutedsl.compiles == 2
+    assert "kernel.o" in caplog.text and "checksum" in caplog.text
+    fresh_process(monkeypatch)
+    cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, config)
+    assert kc.default_kernel_cache().stats["hits"] == 1 and fake_cutedsl.compiles == 2
+
+
+def test_an_entry_that_does_not_load_is_recompiled(fake_cutedsl, tmp_path, monkeypatch):
+    config = cg.GemmConfig(128, 128)
+    cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, config)
+    fresh_process(monkeypatch)
+    calls = []
+
+    def load_once_broken(directory):
+        calls.append(directory)
+        if len(calls) == 1:
+            raise RuntimeError("JITLink: unresolved symbol")  # e.g. another runtime library
+        return fake_cutedsl.load(directory)
+
+    monkeypatch.setattr(cg, "_load", load_once_broken)
+    cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, config)
+    assert kc.default_kernel_cache().stats == {"hits": 0, "builds": 1, "rebuilt": 1}
+    assert fake_cutedsl.compiles == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"config": cg.GemmConfig(128, 256, raster_group=4)},  # same config name, other code
+        {"config": cg.GemmConfig(128, 256, residual_tma=True)},
+        {"operand_dtypes": ["float32"]},
+        {"b_layout": "kn"},
+        {"steps": cg.plan_steps("w=nk;bias@0;gelu_tanh;out=bfloat16")},
+        {"steps": cg.plan_steps("w=nk;bias@0;gelu_erf;out=bfloat16")},
+    ],
+)
+def test_everything_the_code_depends_on_is_in_the_key(change):
+    base = dict(steps=cg.plan_steps("w=nk;bias@0;gelu_erf;out=bfloat16"), dtype="bfloat16", out_dtype="bfloat16",
+                operand_dtypes=["bfloat16"], b_layout="nk", config=cg.GemmConfig(128, 256))
+    cache = KernelCache("/nonexistent", env=ENV)
+    same = cache.digest(cg.kernel_cache_key(**base)) == cache.digest(cg.kernel_cache_key(**{**base, **change}))
+    assert same == ("gelu_erf" in str(change)), change
+
+
+def test_a_source_edit_changes_the_key(monkeypatch, tmp_path):
+    import pathlib
+
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    monkeypatch.setattr(cg, "__file__", str(tmp_path / "cutedsl_gemm.py"))
+    cg._source_digest.cache_clear()
+    try:
+        before = cg._source_digest()
+        cg._source_digest.cache_clear()
+        pathlib.Path(tmp_path / "b.py").write_text("x = 2\n")
+        assert cg._source_digest() != before
+    finally:
+        monkeypatch.undo()
+        cg._source_digest.cache_clear()
+
+
+def test_kernel_cache_off_compiles_in_memory_only(fake_cutedsl, tmp_path, monkeypatch):
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_KERNEL_CACHE", "0")
+    cg.compile_fused_gemm(BF16_SPEC, torch.bfloat16, cg.GemmConfig(128, 128))
+    assert fake_cutedsl.compiles == 1 and not (tmp_path / "nvgemm" / "kernels").exists()
+
+
+def test_autotuner_cutedsl_candidates_build_through_the_disk_cache(fake_cutedsl, tmp_path, monkeypatch):
+    a, w, ops = _bf16_inputs()
+    problem = at.Problem.of(a, w.t(), ops, BF16_SPEC)
+    cands = at._cutedsl_candidates(problem)
+    assert cands and all(c.name.startswith("cutedsl:t64x") for c in cands), [c.name for c in cands]
+    for _ in range(2):
+        fresh_process(monkeypatch)
+        out = torch.empty(8, 16, dtype=torch.bfloat16)
+        got = cands[0].build(problem)(a, w.t(), ops, out)
+        torch.testing.assert_close(got, torch.relu(a.float() @ w.float().t() + ops[0].float()).bfloat16())
+    assert fake_cutedsl.compiles == 1
+
+
+# --- the real CuTeDSL export (runs only where nvidia-cutlass-dsl and apache-tvm-ffi are installed) ---
+
+
+def _real_cutedsl_reason() -> str | None:
+    import importlib.util
+    import os
+
+    for module in ("cutlass", "tvm_ffi"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (CI has no CuTeDSL)"
+    if not torch.cuda.is_available() and not os.environ.get("CUTE_DSL_ARCH"):
+        return "no GPU: set CUTE_DSL_ARCH=sm_90a to compile for the H200 on CPU"
+    return None
+
+
+@pytest.mark.skipif(_real_cutedsl_reason() is not None, reason=str(_real_cutedsl_reason()))
+def test_real_cutedsl_kernel_exports_and_loads_without_compiling(tmp_path, monkeypatch):
+    """Compile + export needs no GPU; the loaded function is CuTeDSL's tvm-ffi
+    function, the same object type the JIT path calls."""
+    import tvm_ffi
+
+    fresh_process(monkeypatch)
+    steps = cg.plan_steps(BF16_SPEC)
+    compiled = []
+    real_compile = cg._compile
+    monkeypatch.setattr(cg, "_compile", lambda *a: compiled.append(1) or real_compile(*a))
+
+    def kernel(cache):
+        return cg._FusedGemm(steps, "bfloat16", "bfloat16", "nk", cg.GemmConfig(128, 128), 1, kernel_cache=cache)
+
+    first = KernelCache(tmp_path)
+    fn = kernel(first).variant(("bfloat16",))
+    assert first.stats["builds"] == 1 and isinstance(fn, tvm_ffi.Function)
+    (entry,) = first.root.iterdir()
+    assert (entry / "kernel.o").read_bytes()[:4] == b"\x7fELF"
+    fresh_process(monkeypatch)
+    second = KernelCache(tmp_path)
+    assert isinstance(kernel(second).variant(("bfloat16",)), tvm_ffi.Function)
+    assert second.stats == {"hits": 1, "builds": 0, "rebuilt": 0} and len(compiled) == 1
+    (entry / "kernel.o").write_bytes(b"\x7fELF truncated")
+    fresh_process(monkeypatch)
+    third = KernelCache(tmp_path)
+    kernel(third).variant(("bfloat16",))
+    assert third.stats == {"hits": 0, "builds": 1, "rebuilt": 1} and len(compiled) == 2

@@ -594,36 +594,18 @@ def _addmm_prefix_build(problem: Problem) -> Impl:
 def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     from branchyard.lowering.nvgemm import cutedsl_gemm
 
-    kwargs = dict(
-        b_layout=problem.b_layout, out_dtype=problem.spec.out_dtype,
+    # compile_fused_gemm keeps compiled kernels in the on-disk KernelCache, so
+    # a later process loads them in milliseconds instead of recompiling.
+    fn = cutedsl_gemm.compile_fused_gemm(
+        problem.spec, problem.dtype, config, b_layout=problem.b_layout, out_dtype=problem.spec.out_dtype,
         operand_dtypes=list(problem.operand_dtypes),
     )
-    export = getattr(cutedsl_gemm, "export_fused_gemm", None)
-    load = getattr(cutedsl_gemm, "load_fused_gemm", None)
-    if export is not None and load is not None:
-        # The kernel module can serialise compiled kernels: keep them on disk.
-        key = {"spec": str(problem.spec), "dtype": _dt(problem.dtype), "config": config.name,
-               **{k: str(v) for k, v in kwargs.items()}}
-        fn = _kernel_cache().get_or_build(
-            key,
-            lambda d: export(problem.spec, problem.dtype, config, d, **kwargs),
-            lambda d: load(d),
-        )
-    else:
-        fn = cutedsl_gemm.compile_fused_gemm(problem.spec, problem.dtype, config, **kwargs)
 
     def impl(a, b_kn, operands, out):
         fn(a, b_kn, list(operands), out)
         return out
 
     return impl
-
-
-@functools.lru_cache(maxsize=1)
-def _kernel_cache():
-    from branchyard.lowering.nvgemm.kernel_cache import KernelCache
-
-    return KernelCache()
 
 
 def _cutedsl_candidates(problem: Problem) -> list[Candidate]:

@@ -70,6 +70,7 @@ __all__ = [
     "candidate_configs",
     "check_eligible",
     "compile_fused_gemm",
+    "kernel_cache_key",
     "plan_steps",
 ]
 
@@ -437,6 +438,10 @@ def _num_tensor_operands(steps: Sequence[KernelStep]) -> int:
     return len(indices)
 
 
+#: ``kernel_cache`` default of :func:`compile_fused_gemm`: the process's on-disk cache.
+_DEFAULT_CACHE = "default"
+
+
 def compile_fused_gemm(
     spec: Any,
     dtype: Any,
@@ -445,8 +450,9 @@ def compile_fused_gemm(
     b_layout: str | None = None,
     out_dtype: Any | None = None,
     operand_dtypes: Sequence[Any] | None = None,
+    kernel_cache: Any = _DEFAULT_CACHE,
 ) -> Callable[..., None]:
-    """Compile (or fetch from the in-process cache) the fused GEMM for ``spec``.
+    """Compile (or fetch from the in-process or on-disk cache) the fused GEMM for ``spec``.
 
     ``spec`` is an ``EpilogueSpec`` (or its string, or ``KernelStep`` steps);
     ``dtype`` the dtype of ``a`` and ``b`` (bfloat16 or float16);
@@ -455,6 +461,15 @@ def compile_fused_gemm(
     dtypes of ``operands[i]`` (default ``dtype``; other dtypes met at launch
     compile their own variant on first use). Shapes are not baked in: one
     compile serves every M, N, K.
+
+    ``kernel_cache``: where compiled kernels persist across processes -- the
+    default is :func:`~branchyard.lowering.nvgemm.kernel_cache.default_kernel_cache`
+    (``$BRANCHYARD_CACHE_DIR/nvgemm/kernels``; off with
+    ``BRANCHYARD_NVGEMM_KERNEL_CACHE=0``), a
+    :class:`~branchyard.lowering.nvgemm.kernel_cache.KernelCache`, or ``None``
+    (compile in memory only). A disk entry is the CuTeDSL ahead-of-time export
+    of the compiled host + device code (``kernel.o``, loaded in milliseconds
+    instead of a 1-3 s compile), keyed by :func:`kernel_cache_key`.
 
     Returns ``fn(a, b_kn, operands, out) -> None`` launching on the current
     torch CUDA stream: ``a`` ``[M, K]`` row-major; ``b_kn`` the logical
@@ -493,24 +508,131 @@ def compile_fused_gemm(
     count = _num_tensor_operands(steps)
     if operand_dtypes is None:
         operand_dtypes = [name] * count
-    kernel = _FusedGemm(steps, name, out_name, b_layout, config, count)
+    if kernel_cache is _DEFAULT_CACHE:
+        from branchyard.lowering.nvgemm.kernel_cache import default_kernel_cache
+
+        kernel_cache = default_kernel_cache()
+    kernel = _FusedGemm(steps, name, out_name, b_layout, config, count, kernel_cache=kernel_cache)
     kernel.variant(tuple(_dtype_name(d) for d in operand_dtypes))  # compile now: errors surface here
     return kernel
+
+
+# ---------------------------------------------------------------------------
+# The on-disk form of a compiled kernel
+# ---------------------------------------------------------------------------
+
+#: Files of a kernel cache entry: the exported object (host launcher + cubin)
+#: and what loading it needs.
+_OBJECT_FILE = "kernel.o"
+_META_FILE = "kernel.json"
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """sha256 of every module of this package: the kernel, its config and
+    epilogue-table logic all live here, and any edit must invalidate the
+    exported kernels (over-invalidating costs one recompile, a stale kernel
+    would cost wrong results)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def _target_arch() -> str:
+    """The arch CuTeDSL compiles for: ``CUTE_DSL_ARCH`` if set, else the device's."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return "unknown"
+
+
+def _version(package: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def kernel_cache_key(
+    steps: Sequence[KernelStep], dtype: str, out_dtype: str, operand_dtypes: Sequence[str], b_layout: str,
+    config: GemmConfig,
+) -> dict[str, Any]:
+    """What a compiled kernel depends on besides the environment the
+    :class:`~branchyard.lowering.nvgemm.kernel_cache.KernelCache` adds (GPU,
+    driver, CUDA, torch, CuTeDSL): this package's source, the steps, dtypes,
+    B layout, every config field, the target arch and the tvm-ffi version (the
+    exported launcher's ABI).
+
+        >>> key = kernel_cache_key(plan_steps("w=nk;bias@0;silu;out=bfloat16"), "bfloat16",
+        ...                        "bfloat16", ["bfloat16"], "nk", GemmConfig(128, 256))
+        >>> key["steps"], key["config"]["tile_n"]
+        ([['bias', 'col', 0, None, None], ['silu', 'none', None, None, None]], 256)
+    """
+    return {
+        "kernel": "fused_gemm",
+        "source": _source_digest(),
+        # Formulas are named, not hashed: the table that maps names to them is part of ``source``.
+        "steps": [[s.name, s.operand, s.index, s.value, s.dtype] for s in steps],
+        "dtype": dtype,
+        "out_dtype": out_dtype,
+        "operand_dtypes": list(operand_dtypes),
+        "b_layout": b_layout,
+        "config": dataclasses.asdict(config),
+        "arch": _target_arch(),
+        "tvm_ffi": _version("apache-tvm-ffi"),
+    }
+
+
+def _export(compiled: Any, directory: Any, function: str, seconds: float) -> None:
+    """Write ``compiled`` (a CuTeDSL tvm-ffi function) into a cache entry."""
+    import json
+
+    compiled.export_to_c(str(directory / _OBJECT_FILE), function_name=function)
+    meta = {"function": function, "compile_s": round(seconds, 3), "call": "fn(a, b_nk, out, (*operands, 0.0))"}
+    (directory / _META_FILE).write_text(json.dumps(meta, sort_keys=True))
+
+
+def _load(directory: Any) -> Any:
+    """The tvm-ffi function of an exported entry: called exactly like the
+    compiled one (same four arguments, the launch on torch's current stream)."""
+    import json
+
+    from cutlass.cute.runtime import load_module
+
+    function = json.loads((directory / _META_FILE).read_text())["function"]
+    module = load_module(str(directory / _OBJECT_FILE), enable_tvm_ffi=True)
+    return getattr(module, function)
 
 
 class _FusedGemm:
     """The callable :func:`compile_fused_gemm` returns (one spec, dtype, layout, config)."""
 
-    def __init__(self, steps, dtype: str, out_dtype: str, b_layout: str, config: GemmConfig, count: int) -> None:
+    def __init__(
+        self, steps, dtype: str, out_dtype: str, b_layout: str, config: GemmConfig, count: int, *,
+        kernel_cache: Any = None,
+    ) -> None:
         self.steps = steps
         self.dtype = dtype
         self.out_dtype = out_dtype
         self.b_layout = b_layout
         self.config = config
         self.num_operands = count
+        self.kernel_cache = kernel_cache
 
     def variant(self, operand_dtypes: tuple[str, ...]) -> Any:
-        """The compiled kernel for these operand dtypes (compiled once per process)."""
+        """The compiled kernel for these operand dtypes: from this process's
+        memory, else from the on-disk cache, else compiled (and exported there)."""
         key = (tuple(s.key for s in self.steps), self.dtype, self.out_dtype, operand_dtypes, self.b_layout, self.config)
         with _CACHE_LOCK:
             hit = _CACHE.get(key)
@@ -519,17 +641,37 @@ class _FusedGemm:
         for d in operand_dtypes:
             if d not in ("bfloat16", "float16", "float32"):
                 raise LoweringError(f"epilogue operand dtype {d}", where="compile_fused_gemm")
+        if self.kernel_cache is None:
+            compiled = self._compile(operand_dtypes)
+        else:
+            import hashlib
+            import json
+            import time
+
+            disk_key = kernel_cache_key(self.steps, self.dtype, self.out_dtype, operand_dtypes, self.b_layout, self.config)
+            text = json.dumps(disk_key, sort_keys=True)
+            # A unique exported symbol per kernel, so many loaded modules never clash.
+            function = "branchyard_nvgemm_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+            def build(directory):
+                t0 = time.perf_counter()
+                compiled = self._compile(operand_dtypes)
+                _export(compiled, directory, function, time.perf_counter() - t0)
+
+            compiled = self.kernel_cache.get_or_build(disk_key, build, _load)
+        with _CACHE_LOCK:
+            _CACHE[key] = compiled
+        return compiled
+
+    def _compile(self, operand_dtypes: tuple[str, ...]) -> Any:
         try:
-            compiled = _compile(self.steps, self.dtype, self.out_dtype, operand_dtypes, self.b_layout, self.config)
+            return _compile(self.steps, self.dtype, self.out_dtype, operand_dtypes, self.b_layout, self.config)
         except Exception as exc:  # the DSL raises its own error types; surface them as one
             raise LoweringError(
                 f"CuTeDSL failed to compile config {self.config.name} for steps "
                 f"{[s.name for s in self.steps]}: {type(exc).__name__}: {str(exc).strip()[:2000]}",
                 where="compile_fused_gemm",
             ) from exc
-        with _CACHE_LOCK:
-            _CACHE[key] = compiled
-        return compiled
 
     def __call__(self, a: Any, b_kn: Any, operands: Sequence[Any], out: Any) -> None:
         if len(operands) != self.num_operands:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from branchyard.lowering.nvgemm.autotune import atomic_write_text, cache_dir, environment
 
-__all__ = ["KernelCache", "MANIFEST", "KERNEL_CACHE_SCHEMA"]
+__all__ = ["KernelCache", "MANIFEST", "KERNEL_CACHE_SCHEMA", "default_kernel_cache"]
 
 logger = logging.getLogger("branchyard")
 
@@ -176,3 +176,28 @@ class KernelCache:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+_DEFAULTS: dict[Path, KernelCache] = {}
+_DEFAULTS_LOCK = threading.Lock()
+
+
+def default_kernel_cache() -> KernelCache | None:
+    """The process's cache under :func:`cache_dir` (one per directory, so a
+    changed ``BRANCHYARD_CACHE_DIR`` takes effect), or ``None`` when
+    ``BRANCHYARD_NVGEMM_KERNEL_CACHE=0`` turns on-disk kernels off.
+
+        >>> import os
+        >>> os.environ["BRANCHYARD_NVGEMM_KERNEL_CACHE"] = "0"
+        >>> default_kernel_cache() is None
+        True
+        >>> del os.environ["BRANCHYARD_NVGEMM_KERNEL_CACHE"]
+    """
+    if os.environ.get("BRANCHYARD_NVGEMM_KERNEL_CACHE", "1") == "0":
+        return None
+    root = cache_dir()
+    with _DEFAULTS_LOCK:
+        cache = _DEFAULTS.get(root)
+        if cache is None:
+            cache = _DEFAULTS[root] = KernelCache(root)
+        return cache

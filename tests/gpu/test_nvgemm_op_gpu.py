@@ -2,7 +2,8 @@
 ``branchyard::fused_gemm_epilogue`` for every epilogue x (bf16, fp16) x a few
 shapes against the fp32 reference; the nvgemm pass on a GPT-2 block on CUDA;
 the winner database; the reference-path fallback for ineligible shapes; and
-the cuBLASLt / cuBLAS / Inductor candidates' numerics.
+the cuBLASLt / cuBLAS / Inductor candidates' numerics; a compiled kernel
+loaded from the on-disk kernel cache by a second process without compiling.
 
 Skipped without CUDA (tests/gpu/conftest.py). Tests that need our CuTeDSL
 kernel skip without it. To keep compile time bounded, the autotuner here
@@ -14,6 +15,10 @@ cutlass-operators GEMM, except in their own tests.
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -247,3 +252,55 @@ def test_cutlass_plain_candidate_when_available(tmp_path):
         db=at.WinnerDB(tmp_path), progress=False)
     res = tuner.tune(a, b.t(), ops, spec)
     assert res.winner == "cutlass_plain+epilogue", res.excluded
+
+
+# The child process of the kernel-cache test: compile_fused_gemm through the
+# default on-disk cache ($BRANCHYARD_CACHE_DIR), counting real CuTeDSL compiles.
+_CACHE_CHILD = """
+import json, sys, time, torch
+from branchyard.lowering.nvgemm import cutedsl_gemm as cg
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+from branchyard.lowering.nvgemm.kernel_cache import default_kernel_cache
+assert cg.cutedsl_available()[0]  # imports CuTeDSL before the clock starts
+compiles = []
+real = cg._compile
+cg._compile = lambda *args: compiles.append(1) or real(*args)
+spec = EpilogueSpec.parse("w=nk;bias@0;gelu_erf;residual@1;out=bfloat16")
+g = torch.Generator(device="cuda").manual_seed(0)
+m, n, k = 300, 512, 512
+a = (torch.randn(m, k, generator=g, device="cuda") / k**0.25).bfloat16()
+w = (torch.randn(n, k, generator=g, device="cuda") / k**0.25).bfloat16()
+ops = [torch.randn(n, generator=g, device="cuda").bfloat16(), torch.randn(m, n, generator=g, device="cuda").bfloat16()]
+t0 = time.perf_counter()
+fn = cg.compile_fused_gemm(spec, torch.bfloat16, cg.GemmConfig(128, 128))
+seconds = time.perf_counter() - t0
+out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+fn(a, w.t(), ops, out)
+torch.cuda.synchronize()
+err = (out.float() - reference_fused_gemm(a, w, ops, spec).float()).abs().max().item()
+torch.save(out.cpu(), sys.argv[1])
+print("RESULT " + json.dumps({"stats": default_kernel_cache().stats, "compiles": len(compiles),
+                               "seconds": seconds, "max_err": err}))
+"""
+
+
+@needs_cutedsl
+def test_second_process_loads_the_compiled_kernel_from_disk(tmp_path):
+    env = {**os.environ, "BRANCHYARD_CACHE_DIR": str(tmp_path / "cache"), "BRANCHYARD_NVGEMM_KERNEL_CACHE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    runs = []
+    for i in range(2):
+        proc = subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(tmp_path / f"out{i}.pt")], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        runs.append(json.loads(line.removeprefix("RESULT ")))
+    first, second = runs
+    assert first["stats"] == {"hits": 0, "builds": 1, "rebuilt": 0} and first["compiles"] == 1, first
+    assert second["stats"] == {"hits": 1, "builds": 0, "rebuilt": 0} and second["compiles"] == 0, second
+    # Loading an exported kernel takes milliseconds; the compile took seconds.
+    assert second["seconds"] < 0.25 * first["seconds"], (first["seconds"], second["seconds"])
+    assert first["max_err"] < 0.1 and second["max_err"] < 0.1, runs
+    assert torch.equal(torch.load(tmp_path / "out0.pt"), torch.load(tmp_path / "out1.pt"))
+    (entry,) = (tmp_path / "cache" / "nvgemm" / "kernels").iterdir()
+    assert json.loads((entry / "kernel.json").read_text())["compile_s"] > 0

@@ -86,6 +86,25 @@ def _fresh_attr(owner: torch.nn.Module, base: str) -> str:
     return name
 
 
+def _children_first(gm: GraphModule) -> list[GraphModule]:
+    """``gm`` and its nested GraphModules, every module after all of its
+    descendants (each once, shared modules included)."""
+    order: list[GraphModule] = []
+    seen: set[int] = set()
+    stack: list[tuple[GraphModule, bool]] = [(gm, False)]
+    while stack:
+        m, expanded = stack.pop()
+        if expanded:
+            order.append(m)
+            continue
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        stack.append((m, True))
+        stack.extend((c, False) for c in m.children() if isinstance(c, GraphModule))
+    return order
+
+
 def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -177,6 +196,8 @@ def _chain_level(k: int, n: int, branches: list[GraphModule], operand_vals: list
 
 
 def _lower_switch(gm: GraphModule, node: Node) -> None:
+    """Rewrite one switch of ``gm`` as a tagged cond chain (``gm`` is
+    recompiled by the caller, once for all its switches)."""
     index, branch_nodes, operands = node.args
     branches = [getattr(gm, b.target) for b in branch_nodes]
     n = len(branches)
@@ -228,7 +249,6 @@ def _lower_switch(gm: GraphModule, node: Node) -> None:
             gm.graph.erase_node(b)
             # The branch graphs now live under the cond's attributes.
             delattr(gm, b.target)
-    gm.recompile()
 
 
 def lower_switches_for_save(program: ExportedProgram) -> tuple[ExportedProgram, int]:
@@ -240,15 +260,17 @@ def lower_switches_for_save(program: ExportedProgram) -> tuple[ExportedProgram, 
     """
     gm = copy_graph_module(program.graph_module)
     count = 0
-    while True:
-        found = next(
-            ((m, n) for m in iter_graph_modules(gm) for n in m.graph.nodes if _is_switch(n)),
-            None,
-        )
-        if found is None:
-            break
-        _lower_switch(*found)
-        count += 1
+    # Children before parents: a switch's branches hold no switch by the time
+    # it is lowered, so the copies made for shared branch slots need no
+    # further lowering, and each graph is scanned and recompiled once (the
+    # walk is linear in the program, not quadratic in its switches).
+    for m in _children_first(gm):
+        switches = [n for n in m.graph.nodes if _is_switch(n)]
+        for node in switches:
+            _lower_switch(m, node)
+        if switches:
+            m.recompile()
+        count += len(switches)
     if count == 0:
         return program, 0
     return program._update(gm, program.graph_signature), count
@@ -275,7 +297,9 @@ def _corrupt(where: str, what: str) -> SerializationError:
     )
 
 
-def _restore_switch(gm: GraphModule, cond: Node, tag: dict) -> None:
+def _restore_switch(gm: GraphModule, cond: Node, tag: dict) -> Node:
+    """Replace one tagged cond chain of ``gm`` by its switch and return the
+    switch (the caller recompiles ``gm`` and restores node names)."""
     where = f"node {cond.name!r}"
     if tag.get("format") != _FORMAT or tag.get("version") != _VERSION:
         raise _corrupt(where, f"unknown marker {tag!r}")
@@ -319,8 +343,10 @@ def _restore_switch(gm: GraphModule, cond: Node, tag: dict) -> None:
     switch.meta = dict(cond.meta)
     cond.replace_all_uses_with(switch)
     # The deserializer copies a HOP's meta onto its getitem users: drop our
-    # marker everywhere it landed.
-    for n in (switch, *switch.users):
+    # marker everywhere it landed -- only there: a cond with one output feeds
+    # its users directly, and such a user may be the next lowered switch.
+    getitems = [u for u in switch.users if u.op == "call_function" and u.target is operator.getitem]
+    for n in (switch, *getitems):
         custom = dict(n.meta.get("custom") or {})
         if custom.pop(MARKER_KEY, None) is not None:
             if custom:
@@ -334,15 +360,17 @@ def _restore_switch(gm: GraphModule, cond: Node, tag: dict) -> None:
             delattr(gm, a.target)
     if isinstance(pred, Node) and not pred.users:
         gm.graph.erase_node(pred)
-    switch.name = _unique_node_name(gm.graph, tag.get("name"), switch.name)
-    gm.recompile()
+    return switch
 
 
-def _unique_node_name(graph: Graph, want: Any, current: str) -> str:
-    if not isinstance(want, str) or want == current:
-        return current
+def _restore_names(graph: Graph, renames: list[tuple[Node, Any]]) -> None:
+    """Give each restored switch its saved name where no other node has it."""
     taken = {n.name for n in graph.nodes}
-    return current if want in taken else want
+    for switch, want in renames:
+        if isinstance(want, str) and want != switch.name and want not in taken:
+            taken.discard(switch.name)
+            switch.name = want
+            taken.add(want)
 
 
 def restore_switches(program: ExportedProgram) -> tuple[ExportedProgram, int]:
@@ -354,16 +382,17 @@ def restore_switches(program: ExportedProgram) -> tuple[ExportedProgram, int]:
             hint="load it with plain torch.export.load to get the equivalent cond chains",
         )
     gm = program.graph_module
-    count = 0
-    while True:
-        found = next(
-            ((m, n, t) for m in iter_graph_modules(gm) for n in m.graph.nodes if (t := _tag(n)) is not None),
-            None,
-        )
-        if found is None:
-            break
-        _restore_switch(*found)
-        count += 1
+    # One scan finds every chain; restoring one chain keeps the branch graph
+    # objects (and so the chains nested in them) as they are.
+    found = [(m, n, t) for m in list(iter_graph_modules(gm)) for n in list(m.graph.nodes) if (t := _tag(n)) is not None]
+    renames: dict[int, tuple[GraphModule, list[tuple[Node, Any]]]] = {}
+    for m, node, tag in found:
+        switch = _restore_switch(m, node, tag)
+        renames.setdefault(id(m), (m, []))[1].append((switch, tag.get("name")))
+    for m, pairs in renames.values():
+        _restore_names(m.graph, pairs)
+        m.recompile()
+    count = len(found)
     if count == 0:
         return program, 0
     return program._update(gm, program.graph_signature), count

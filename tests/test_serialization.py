@@ -355,3 +355,40 @@ def test_round_trip_of_a_rewritten_program_whose_switch_is_the_graph_output(tmp_
     for idx in (-3, 0, 1, 2, 3, 9):
         i = torch.tensor(idx)
         torch.testing.assert_close(loaded.module()(x, i), program.module()(x, i))
+
+
+def test_round_trip_of_a_stack_of_switches_feeding_each_other(tmp_path):
+    # Regression: torch's loader gives a one-output cond no getitem, so a
+    # restored switch's user can be the next saved chain; the restore dropped
+    # that chain's marker too and brought back only every other switch.
+    from branchyard.examples.builder import build_dispatch_program
+    from branchyard.passes.cond_to_switch import cond_to_switch
+
+    layers = 5
+    program = cond_to_switch(build_dispatch_program(num_experts=4, dim=8, split="chain", layers=layers))
+    assert len(_hops(program, torch.ops.higher_order.switch)) == layers
+    path = tmp_path / "stack.pt2"
+    branchyard.save(program, path)
+    loaded = branchyard.load(path)
+    switches = [n for n in loaded.graph.nodes if n.target is torch.ops.higher_order.switch]
+    assert len(switches) == layers and not _hops(loaded, COND)
+    # Consecutive switches consume each other's output directly.
+    assert sum(1 for a, b in zip(switches, switches[1:]) if a in b.all_input_nodes) == layers - 1
+    assert [n.name for n in switches] == [n.name for n in _hops(program, torch.ops.higher_order.switch)]
+    x = torch.randn(4, 8)
+    for idx in (-2, 0, 1, 2, 3, 7):
+        i = torch.tensor(idx)
+        torch.testing.assert_close(loaded.module()(x, i), program.module()(x, i))
+
+
+def test_children_first_order_visits_each_module_after_its_descendants(nested):
+    from branchyard.serialization import _children_first
+
+    order = _children_first(nested.graph_module)
+    position = {id(m): k for k, m in enumerate(order)}
+    assert len(position) == len(list(iter_graph_modules(nested.graph_module)))
+    assert order[-1] is nested.graph_module
+    for m in order:
+        for child in m.children():
+            if isinstance(child, torch.fx.GraphModule):
+                assert position[id(child)] < position[id(m)]

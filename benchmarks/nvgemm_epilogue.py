@@ -1,11 +1,26 @@
 """NVGEMM epilogue fusion on the GPU: our fused CuTeDSL kernel and the
 autotuned op against every alternative, per shape and epilogue chain.
 
-Shapes: M in {1, 16, 128, 2048, 8192} x (N, K) in {(4096, 4096),
-(14336, 4096), (4096, 14336)}, weights laid out like ``nn.Linear`` ([N, K]).
-Chains: bias+gelu(erf), bias+silu, bias+gelu(tanh)+residual, scale+residual.
+Usage (on the H200; ``source .device/env/activate.sh`` first, see docs/gpu.md)::
 
-Columns (median microseconds, L2 flushed before every timed run):
+    # The full sweep (60 rows, about 6 minutes): rows are appended to the JSONL
+    # file as they finish; --budget-s stops cleanly before the run's time limit
+    # and the same command run again resumes where it stopped.
+    python benchmarks/nvgemm_epilogue.py --budget-s 540 --jsonl .cache/nvgemm_epilogue/rows.jsonl && cp .cache/nvgemm_epilogue/rows.jsonl $OUT/
+
+    # Afterwards, anywhere (no GPU): table, targets, markdown and plot from one or more JSONL files.
+    python benchmarks/nvgemm_epilogue.py --merge rows.jsonl --markdown table.md --plot docs/img/nvgemm_epilogue.png
+
+    # A few rows: --m / --nk / --chains select; --inductor-mode off drops the slow column.
+    python benchmarks/nvgemm_epilogue.py --m 2048 --nk 4096x4096 --jsonl /tmp/smoke.jsonl
+
+Shapes: M in {1, 16, 128, 2048, 8192} x (N, K) in {(4096, 4096),
+(14336, 4096), (4096, 14336)}, weights laid out like ``nn.Linear`` ([N, K]),
+bfloat16. Chains: bias+gelu(erf), bias+silu, bias+gelu(tanh)+residual,
+scale+residual.
+
+Columns (median microseconds of CUDA-event timings, a 256 MiB buffer zeroed
+before every timed run so L2 holds none of the operands):
 
 * ``mm``       -- plain ``torch.mm`` (no epilogue: the floor a fused kernel aims at)
 * ``aten``     -- the unfused ATen chain (``mm`` then one kernel per op)
@@ -13,31 +28,47 @@ Columns (median microseconds, L2 flushed before every timed run):
                   (``_addmm_activation`` for bias+gelu_tanh, then the residual
                   add; ``addmm(res, a, b, alpha=s)`` for scale+residual); ``-``
                   where no cuBLAS epilogue applies
-* ``inductor`` -- the unfused chain compiled by Inductor (max-autotune)
-* ``ours``     -- our CuTeDSL kernel, best tile config (named in ``config``)
+* ``inductor`` -- the same unfused chain through ``torch.compile(mode=
+                  "max-autotune-no-cudagraphs", dynamic=False, fullgraph=True)``;
+                  ``inductor_compile_s`` in the JSON is what that compile cost
+* ``ours``     -- our CuTeDSL kernel, the best of its tile configs (named in ``config``)
 * ``op``       -- ``torch.ops.branchyard.fused_gemm_epilogue`` end to end,
-                  with the autotuner's pick (named in ``picked``)
+                  after the op's own autotuner picked (named in ``picked``)
+                  among the candidates of docs/nvgemm.md, with a fresh winner
+                  database (it really tunes)
+
+How the sweep stays tractable without handicapping a column:
+
+* Inductor runs its default max-autotune search (GEMM backends ``ATEN,TRITON``
+  -- the default list minus ``CPP``, which is for CPU tensors --, the
+  ``DEFAULT`` Triton config space, epilogue-fusion benchmarking on, compile
+  threads = every core). Rows run chain-innermost, so the four chains of one
+  shape share Inductor's GEMM autotuning through its own caches (in-process,
+  the autotune/FX-graph/Triton caches under ``--cache-dir``, which also serve
+  a resumed run). Each row records its compile seconds; the summary prints
+  them.
+* Our CuTeDSL kernels (one compile per chain and tile config, shapes are not
+  baked in) are compiled up front by ``--prebuild-workers`` processes into the
+  on-disk kernel cache (docs/nvgemm.md), which the timed rows then load in
+  milliseconds.
+* The cutlass-operators plain GEMM candidate compiles per shape, so it is
+  offered to the op's autotuner only with ``--cutlass-plain``.
 
 Targets checked at the end: at M >= 2048 ``ours`` within 1.05x of ``mm``;
 geomean over M >= 2048 of (best alternative not ours) / ours >= 1.10; the
-autotuned pick within 2% of the best candidate.
-
-    python benchmarks/nvgemm_epilogue.py --quick                 # 24 rows, one 10-minute run
-    python benchmarks/nvgemm_epilogue.py --json a.json --nk 4096x4096
-    python benchmarks/nvgemm_epilogue.py --merge a.json b.json --markdown t.md --plot p.png
-
-``--nk`` / ``--m`` split the full sweep over several runs; ``--merge``
-combines their JSON files into one table, markdown and plot. The compact
-table is printed last.
+autotuned op end to end within 2% of the best column.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import importlib.metadata
 import json
 import math
+import multiprocessing
+import os
 import platform
 import sys
 import tempfile
@@ -57,6 +88,9 @@ CHAINS = {
 }
 LARGE_M = 2048
 COLUMNS = ["mm", "aten", "cublas", "inductor", "ours", "op"]
+#: Columns a row's "best candidate" is taken over (the op picks among these kinds).
+CANDIDATE_COLUMNS = ("aten", "cublas", "inductor", "ours")
+DEFAULT_DIR = Path(".cache") / "nvgemm_epilogue"
 
 
 def versions() -> dict[str, str]:
@@ -76,6 +110,10 @@ def versions() -> dict[str, str]:
         "triton": pkg("triton"),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+
+
+def row_id(row: dict) -> tuple:
+    return (row["m"], row["n"], row["k"], row["chain"], row.get("dtype", "bfloat16"))
 
 
 def make_inputs(m, n, k, text, dtype, seed=0):
@@ -103,21 +141,90 @@ def cublas_fn(name, a, b_kn, ops):
     return None
 
 
-class Budget:
-    """Wall-clock budget for Inductor compiles (max-autotune takes minutes)."""
-
-    def __init__(self, seconds: float | None):
-        self.left = seconds
-
-    def allows(self) -> bool:
-        return self.left is None or self.left > 0
-
-    def spend(self, seconds: float) -> None:
-        if self.left is not None:
-            self.left -= seconds
+# --- setup: caches, Inductor settings, the CuTeDSL prebuild ----------------------------
 
 
-def run_row(m, n, k, chain, dtype, args, budget, db_dir) -> dict:
+def setup_caches(cache_dir: Path) -> None:
+    """Point our kernel cache and Inductor's/Triton's caches into ``cache_dir``
+    (unless the environment already chose), so a resumed run reuses them."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("BRANCHYARD_CACHE_DIR", str(cache_dir / "branchyard"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir / "triton"))
+
+
+def configure_inductor(args) -> dict:
+    """Apply the Inductor settings of this run; returns them for the JSON."""
+    import torch._inductor.config as ic
+
+    ic.max_autotune_gemm_backends = args.inductor_backends
+    ic.max_autotune_gemm_search_space = args.inductor_search_space
+    if args.compile_threads:
+        ic.compile_threads = args.compile_threads
+    # The op's Inductor candidate compiles with the same mode, so it reuses the column's compile.
+    os.environ["BRANCHYARD_NVGEMM_INDUCTOR_MODE"] = args.inductor_mode
+    return {
+        "mode": args.inductor_mode,
+        "gemm_backends": ic.max_autotune_gemm_backends,
+        "search_space": getattr(ic, "max_autotune_gemm_search_space", "n/a"),
+        "compile_threads": getattr(ic, "compile_threads", "n/a"),
+        "benchmark_epilogue_fusion": getattr(ic, "benchmark_epilogue_fusion", "n/a"),
+        "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+    }
+
+
+def _prebuild_worker(jobs: list) -> list:
+    """Compile (spec, dtype, config, layout, operand dtypes) jobs into the disk kernel cache."""
+    from branchyard.lowering.nvgemm import cutedsl_gemm as cg
+
+    done = []
+    for spec_text, dtype, config, b_layout, out_dtype, operand_dtypes in jobs:
+        t0 = time.perf_counter()
+        try:
+            cg.compile_fused_gemm(spec_text, dtype, config, b_layout=b_layout, out_dtype=out_dtype,
+                                  operand_dtypes=operand_dtypes)
+            done.append((spec_text, config.name, time.perf_counter() - t0, None))
+        except Exception as exc:  # the timed row reports it again, with its reason
+            done.append((spec_text, config.name, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"[:300]))
+    return done
+
+
+def prebuild(plan: list[tuple], dtype, args) -> None:
+    """Compile every CuTeDSL kernel the rows will time, in parallel processes,
+    into the on-disk kernel cache (the rows then load them)."""
+    from branchyard.lowering.nvgemm import autotune as at
+
+    jobs = {}
+    for m, n, k, chain in plan:
+        a = torch.empty(m, k, dtype=dtype, device="cuda")
+        w = torch.empty(n, k, dtype=dtype, device="cuda")
+        _, _, ops, spec = make_inputs(1, n, k, CHAINS[chain], dtype)
+        ops = [t if t.dim() == 1 else torch.empty(m, n, dtype=dtype, device="cuda") for t in ops]
+        problem = at.Problem.of(a, w.t(), ops, spec)
+        for cand in at._cutedsl_candidates(problem)[: args.max_configs]:
+            config = cand.build.keywords["config"]
+            key = (str(problem.spec), config)
+            jobs[key] = (str(problem.spec), str(dtype).removeprefix("torch."), config, problem.b_layout,
+                         str(problem.spec.out_dtype).removeprefix("torch."),
+                         [str(d).removeprefix("torch.") for d in problem.operand_dtypes])
+    if not jobs:
+        return
+    workers = max(1, min(args.prebuild_workers, len(jobs)))
+    t0 = time.time()
+    batches = [list(jobs.values())[i::workers] for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")  # CUDA-safe workers
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        results = [r for batch in pool.map(_prebuild_worker, batches) for r in batch]
+    failed = [r for r in results if r[3]]
+    print(f"prebuild: {len(jobs)} CuTeDSL kernels in {time.time() - t0:.1f}s with {workers} processes "
+          f"(slowest {max(r[2] for r in results):.1f}s){'; failed: ' + str(failed[:3]) if failed else ''}",
+          flush=True)
+
+
+# --- one row --------------------------------------------------------------------------
+
+
+def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
     from branchyard.lowering.nvgemm import autotune as at
     from branchyard.lowering.nvgemm import fused_gemm_epilogue
     from branchyard.lowering.nvgemm.epilogue import reference_fused_gemm, unfused_aten_epilogue
@@ -126,7 +233,7 @@ def run_row(m, n, k, chain, dtype, args, budget, db_dir) -> dict:
     b_kn = w.t()
     problem = at.Problem.of(a, b_kn, ops, spec)
     ref = reference_fused_gemm(a, w, ops, spec)
-    row: dict = {"m": m, "n": n, "k": k, "chain": chain, "notes": []}
+    row: dict = {"m": m, "n": n, "k": k, "chain": chain, "dtype": str(dtype).removeprefix("torch."), "notes": []}
     time_us = lambda fn: at.cuda_event_timer(fn, reps=args.reps) * 1e3  # noqa: E731
 
     row["mm"] = time_us(lambda: torch.mm(a, b_kn))
@@ -134,51 +241,49 @@ def run_row(m, n, k, chain, dtype, args, budget, db_dir) -> dict:
     fn = cublas_fn(chain, a, b_kn, ops)
     row["cublas"] = time_us(fn) if fn is not None else None
 
-    row["inductor"] = None
-    if args.inductor_mode != "off" and (m >= args.inductor_min_m) and budget.allows():
-        t0 = time.time()
+    row["inductor"] = row["inductor_compile_s"] = None
+    if args.inductor_mode != "off":
+        t0 = time.perf_counter()
         try:
             impl = at._inductor_build(problem, args.inductor_mode)
-            got = impl(a, b_kn, ops, None)
+            got = impl(a, b_kn, ops, None)  # the compile happens on this first call
             torch.cuda.synchronize()
-            budget.spend(time.time() - t0)
+            row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
             bad = at.numerics_error(got, ref, dtype)
             if bad:
                 row["notes"].append(f"inductor wrong: {bad}")
             else:
                 row["inductor"] = time_us(lambda: impl(a, b_kn, ops, None))
         except Exception as exc:  # report, keep benchmarking
-            budget.spend(time.time() - t0)
-            row["notes"].append(f"inductor failed: {type(exc).__name__}: {str(exc)[:120]}")
-    elif args.inductor_mode != "off" and m >= args.inductor_min_m:
-        row["notes"].append("inductor skipped: compile budget spent")
+            row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
+            row["notes"].append(f"inductor failed: {type(exc).__name__}: {str(exc)[:200]}")
 
-    row["ours"], row["config"] = None, None
+    row["ours"], row["config"], row["ours_configs"] = None, None, {}
     out = torch.empty(m, n, dtype=spec.out_dtype, device="cuda")
     for cand in at._cutedsl_candidates(problem)[: args.max_configs]:
+        name = cand.name.removeprefix("cutedsl:")
         try:
             impl = cand.build(problem)
             out.fill_(float("nan"))
             got = impl(a, b_kn, ops, out)
             torch.cuda.synchronize()
         except Exception as exc:
-            row["notes"].append(f"{cand.name} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            row["notes"].append(f"{name} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
         bad = at.numerics_error(got, ref, dtype)
         if bad:
-            row["notes"].append(f"{cand.name} wrong: {bad}")
+            row["notes"].append(f"{name} wrong: {bad}")
             continue
-        t = time_us(lambda: impl(a, b_kn, ops, out))
+        t = row["ours_configs"][name] = time_us(lambda: impl(a, b_kn, ops, out))
         if row["ours"] is None or t < row["ours"]:
-            row["ours"], row["config"] = t, cand.name.removeprefix("cutedsl:")
+            row["ours"], row["config"] = t, name
 
-    # The op end to end with the process autotuner (fresh database: it really tunes).
+    # The op end to end with its own autotuner (a fresh database: it really tunes).
     def candidates(p):
-        cands = at.default_candidates(p, inductor=args.inductor_mode != "off" and m >= args.inductor_min_m
-                                      and row["inductor"] is not None)
+        cands = at.default_candidates(p, inductor=row["inductor"] is not None)
         cut = [c for c in cands if c.name.startswith("cutedsl:")][: args.max_configs]
         rest = [c for c in cands if not c.name.startswith("cutedsl:")]
-        if not args.cutlass_plain:  # compiles per shape: left out of --quick runs
+        if not args.cutlass_plain:
             rest = [c for c in rest if not c.name.startswith("cutlass_plain")]
         return cut + rest
 
@@ -197,6 +302,7 @@ def run_row(m, n, k, chain, dtype, args, budget, db_dir) -> dict:
             (res,) = tuner.results.values()
             row["picked"] = res.winner
             row["picked_tuned_us"] = res.timings[res.winner] * 1e3
+            row["tuned_us"] = {name: ms * 1e3 for name, ms in res.timings.items()}
             row["excluded"] = res.excluded
     finally:
         at.set_autotuner(None)
@@ -209,7 +315,7 @@ def run_row(m, n, k, chain, dtype, args, budget, db_dir) -> dict:
 def derived(row: dict) -> dict:
     alts = [row[c] for c in ("aten", "cublas", "inductor") if row.get(c) is not None]
     best_alt = min(alts) if alts else None
-    every = [row[c] for c in ("aten", "cublas", "inductor", "ours") if row.get(c) is not None]
+    every = [row[c] for c in CANDIDATE_COLUMNS if row.get(c) is not None]
     best = min(every) if every else None
     return {
         "ours_vs_mm": row["ours"] / row["mm"] if row.get("ours") else None,
@@ -224,7 +330,7 @@ def fmt(x, spec="{:.1f}"):
 
 def table_lines(rows: list[dict]) -> list[str]:
     head = (f"{'M':>5} {'N':>6} {'K':>6} {'chain':<19}" + "".join(f"{c:>9}" for c in COLUMNS)
-            + f" {'ours/mm':>8} {'speedup':>8} {'op/best':>8}  {'config':<17} picked")
+            + f" {'ours/mm':>8} {'speedup':>8} {'op/best':>8} {'ind_s':>6}  {'config':<20} picked")
     lines = [head, "-" * len(head)]
     for r in rows:
         d = derived(r)
@@ -232,46 +338,59 @@ def table_lines(rows: list[dict]) -> list[str]:
             f"{r['m']:>5} {r['n']:>6} {r['k']:>6} {r['chain']:<19}"
             + "".join(f"{fmt(r.get(c)):>9}" for c in COLUMNS)
             + f" {fmt(d['ours_vs_mm'], '{:.3f}'):>8} {fmt(d['speedup'], '{:.2f}x'):>8}"
-            + f" {fmt(d['op_vs_best'], '{:.3f}'):>8}  {r.get('config') or '-':<17} {r.get('picked', '-')}"
+            + f" {fmt(d['op_vs_best'], '{:.3f}'):>8} {fmt(r.get('inductor_compile_s'), '{:.0f}'):>6}"
+            + f"  {r.get('config') or '-':<20} {r.get('picked', '-')}"
         )
     return lines
 
 
 def targets(rows: list[dict]) -> list[str]:
+    """The issue's three targets, each with PASS/FAIL and its numbers."""
     large = [r for r in rows if r["m"] >= LARGE_M]
     out = []
-    near = [derived(r)["ours_vs_mm"] for r in large if derived(r)["ours_vs_mm"] is not None]
-    ok = sum(1 for x in near if x <= 1.05)
-    out.append(f"ours within 1.05x of plain mm at M>={LARGE_M}: {ok}/{len(near)} rows"
-               + (f" (worst {max(near):.3f}x)" if near else ""))
+    near = [(derived(r)["ours_vs_mm"], r) for r in large if derived(r)["ours_vs_mm"] is not None]
+    if near:
+        ok = sum(1 for x, _ in near if x <= 1.05)
+        worst, wr = max(near, key=lambda t: t[0])
+        out.append(f"[{'PASS' if ok == len(near) else 'FAIL'}] ours within 1.05x of plain mm at M>={LARGE_M}: "
+                   f"{ok}/{len(near)} rows (worst {worst:.3f}x: M={wr['m']} N={wr['n']} K={wr['k']} {wr['chain']})")
     sp = [derived(r)["speedup"] for r in large if derived(r)["speedup"] is not None]
     if sp:
         geo = math.exp(sum(math.log(x) for x in sp) / len(sp))
-        out.append(f"geomean speedup over the best non-ours alternative at M>={LARGE_M}: {geo:.3f}x "
-                   f"(target >= 1.10x) over {len(sp)} rows")
-    ob = [derived(r)["op_vs_best"] for r in rows if derived(r)["op_vs_best"] is not None]
+        no_inductor = sum(1 for r in large if r.get("inductor") is None)
+        out.append(f"[{'PASS' if geo >= 1.10 else 'FAIL'}] geomean speedup of ours over the best non-ours "
+                   f"alternative at M>={LARGE_M}: {geo:.3f}x (target >= 1.10x) over {len(sp)} rows"
+                   + (f"; {no_inductor} of them without an Inductor time" if no_inductor else ""))
+    ob = [(derived(r)["op_vs_best"], r) for r in rows if derived(r)["op_vs_best"] is not None]
     if ob:
-        bad = sum(1 for x in ob if x > 1.02)
-        out.append(f"autotuned op (end to end) within 2% of the best candidate: {len(ob) - bad}/{len(ob)} rows "
-                   f"(worst {max(ob):.3f}x)")
+        bad = [x for x, _ in ob if x > 1.02]
+        worst, wr = max(ob, key=lambda t: t[0])
+        out.append(f"[{'PASS' if not bad else 'FAIL'}] autotuned op (end to end) within 2% of the best column: "
+                   f"{len(ob) - len(bad)}/{len(ob)} rows (worst {worst:.3f}x: M={wr['m']} N={wr['n']} K={wr['k']} "
+                   f"{wr['chain']}, picked {wr.get('picked')})")
     picked = [r for r in rows if r.get("picked_tuned_us") is not None]
     if picked:
-        ratios = []
-        for r in picked:
-            best = min(r[c] for c in ("aten", "cublas", "inductor", "ours") if r.get(c) is not None)
-            ratios.append(r["picked_tuned_us"] / best)
-        out.append(f"autotuner's pick (its own timing) vs best column: worst {max(ratios):.3f}x")
+        ratios = [r["picked_tuned_us"] / min(r[c] for c in CANDIDATE_COLUMNS if r.get(c) is not None) for r in picked]
+        out.append(f"(info) the pick's time as the op's autotuner measured it vs the best column: worst {max(ratios):.3f}x")
+    compiles = [r["inductor_compile_s"] for r in rows if r.get("inductor_compile_s") is not None]
+    if compiles:
+        out.append(f"(info) Inductor compile: {sum(compiles):.0f}s over {len(compiles)} rows "
+                   f"(mean {sum(compiles) / len(compiles):.1f}s, max {max(compiles):.1f}s)")
     return out
 
 
 def markdown(rows: list[dict], env: dict) -> str:
+    ind = env.get("inductor") or {}
     lines = [
         f"Machine: {env['gpu']}; torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, "
         f"CuTeDSL {env['cutedsl']}, Triton {env['triton']}; {env['date']}. Median µs, L2 flushed before "
-        "every run; bfloat16, weights [N, K] (nn.Linear layout).",
+        "every run; bfloat16, weights [N, K] (nn.Linear layout). Inductor: "
+        f"mode {ind.get('mode', '?')}, GEMM backends {ind.get('gemm_backends', '?')}, search space "
+        f"{ind.get('search_space', '?')}, {ind.get('compile_threads', '?')} compile threads; `ind s` is its compile "
+        "time for the row (the chains of one shape share its GEMM autotuning).",
         "",
-        "| M | N | K | chain | mm | aten | cublas | inductor | ours | op | ours/mm | speedup | op/best | picked |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| M | N | K | chain | mm | aten | cublas | inductor | ours | op | ours/mm | speedup | op/best | ind s | picked |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         d = derived(r)
@@ -279,7 +398,7 @@ def markdown(rows: list[dict], env: dict) -> str:
             f"| {r['m']} | {r['n']} | {r['k']} | {r['chain']} | "
             + " | ".join(fmt(r.get(c)) for c in COLUMNS)
             + f" | {fmt(d['ours_vs_mm'], '{:.3f}')} | {fmt(d['speedup'], '{:.2f}x')} | "
-            f"{fmt(d['op_vs_best'], '{:.3f}')} | {r.get('picked', '-')} |"
+            f"{fmt(d['op_vs_best'], '{:.3f}')} | {fmt(r.get('inductor_compile_s'), '{:.0f}')} | {r.get('picked', '-')} |"
         )
     lines += ["", *[f"- {t}" for t in targets(rows)]]
     return "\n".join(lines) + "\n"
@@ -301,6 +420,7 @@ def plot(rows: list[dict], path: str) -> None:
             ys = [(r[col] / r["mm"]) if r.get(col) else 0 for r in sub]
             ax.bar([x + (i - 2) * width for x in range(len(sub))], ys, width, label=col)
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.axhline(1.05, color="r", lw=0.6, ls=":")
         ax.set_xticks(range(len(sub)))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel("time / plain mm")
@@ -310,9 +430,12 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def sort_rows(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (list(CHAINS).index(r["chain"]), r["n"], r["k"], r["m"]))
+
+
 def emit(rows, env, args) -> None:
-    if args.json:
-        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    rows = sort_rows(rows)
     if args.markdown:
         Path(args.markdown).write_text(markdown(rows, env))
     if args.plot:
@@ -323,73 +446,134 @@ def emit(rows, env, args) -> None:
         for r, n in notes:
             print(f"  M={r['m']} N={r['n']} K={r['k']} {r['chain']}: {n}")
     print(f"\n{env['gpu']} | torch {env['torch']} | CUDA {env['cuda']} | python {env['python']} | "
-          f"cutedsl {env['cutedsl']} | {env['date']}")
+          f"cutedsl {env['cutedsl']} | {env['date']} | inductor {env.get('inductor')}")
     print("\n".join(table_lines(rows)))
     print("\n".join(targets(rows)))
 
 
+# --- the JSONL record ---------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> tuple[dict | None, dict[tuple, dict]]:
+    """(first env, rows by id; a later line for the same row wins). A torn
+    last line (a run killed mid-write) is skipped."""
+    env, rows = None, {}
+    if not path.exists():
+        return env, rows
+    text = path.read_text()
+    if path.suffix == ".json":  # an earlier run's single JSON file
+        data = json.loads(text)
+        return data["env"], {row_id(r): r for r in data["rows"]}
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "env":
+            env = env or rec["env"]
+        elif rec.get("kind") == "row":
+            rows[row_id(rec["row"])] = rec["row"]
+    return env, rows
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def plan_rows(ms, nks, chains) -> list[tuple]:
+    """Chain innermost: the chains of one shape share Inductor's GEMM autotuning."""
+    return [(m, n, k, chain) for n, k in nks for m in ms for chain in chains]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="M in {16, 2048, 8192}, (N, K) in the first two pairs")
     p.add_argument("--m", type=int, nargs="*", help="M values (default: all five)")
-    p.add_argument("--nk", nargs="*", help="N x K pairs, e.g. 4096x14336")
+    p.add_argument("--nk", nargs="*", help="N x K pairs, e.g. 4096x14336 (default: all three)")
     p.add_argument("--chains", nargs="*", choices=list(CHAINS), help="chains (default: all four)")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    p.add_argument("--max-configs", type=int, default=None, help="CuTeDSL configs per shape (default: all; quick: 2)")
+    p.add_argument("--max-configs", type=int, default=99, help="CuTeDSL tile configs per shape (default: all)")
     p.add_argument("--inductor-mode", default="max-autotune-no-cudagraphs",
                    help="torch.compile mode for the Inductor column, or 'off'")
-    p.add_argument("--inductor-budget-s", type=float, default=None,
-                   help="stop compiling Inductor candidates after this many seconds (quick: 180)")
-    p.add_argument("--inductor-min-m", type=int, default=None,
-                   help=f"only compile Inductor for M >= this (default 1; quick: {LARGE_M})")
-    p.add_argument("--cutlass-plain", action=argparse.BooleanOptionalAction, default=None,
-                   help="offer the cutlass-operators plain GEMM to the autotuner (default on; quick: off)")
+    p.add_argument("--inductor-backends", default="ATEN,TRITON",
+                   help="Inductor's max_autotune_gemm_backends (default: its default minus CPU-only CPP)")
+    p.add_argument("--inductor-search-space", choices=["DEFAULT", "EXHAUSTIVE"], default="DEFAULT")
+    p.add_argument("--compile-threads", type=int, default=None, help="Inductor compile threads (default: its own)")
+    p.add_argument("--cutlass-plain", action="store_true",
+                   help="offer the cutlass-operators plain GEMM to the op's autotuner (compiles per shape)")
+    p.add_argument("--prebuild-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes compiling the CuTeDSL kernels up front (0: compile in the rows)")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop before a row that would end past this many seconds from the start")
+    p.add_argument("--jsonl", default=str(DEFAULT_DIR / "rows.jsonl"),
+                   help="append each finished row here; rows already in it are skipped (resume)")
+    p.add_argument("--fresh", action="store_true", help="re-measure rows already in --jsonl")
+    p.add_argument("--cache-dir", default=str(DEFAULT_DIR / "cache"),
+                   help="our kernel cache and Inductor's/Triton's caches (kept for resumed runs)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json"), p.add_argument("--markdown"), p.add_argument("--plot")
-    p.add_argument("--merge", nargs="*", help="combine JSON files from earlier runs; no GPU work")
+    p.add_argument("--markdown"), p.add_argument("--plot")
+    p.add_argument("--merge", nargs="*", help="combine JSONL (or JSON) files from earlier runs; no GPU work")
     args = p.parse_args(argv)
 
     if args.merge:
-        rows, env = [], None
+        rows, env = {}, None
         for f in args.merge:
-            data = json.loads(Path(f).read_text())
-            rows += data["rows"]
-            env = env or data["env"]
-        rows.sort(key=lambda r: (list(CHAINS).index(r["chain"]), r["n"], r["k"], r["m"]))
-        emit(rows, env, args)
+            e, r = read_jsonl(Path(f))
+            env = env or e
+            rows.update(r)
+        if not rows:
+            print("no rows in " + ", ".join(args.merge), file=sys.stderr)
+            return 2
+        emit(list(rows.values()), env or {k: "?" for k in ("gpu", "torch", "cuda", "python", "cutedsl", "triton", "date")},
+             args)
         return 0
 
     if not torch.cuda.is_available():
         print("needs a CUDA device (NVIDIA H200 for the reported figures)", file=sys.stderr)
         return 2
-    ms = args.m or ([16, 2048, 8192] if args.quick else M_ALL)
-    nks = [tuple(int(x) for x in s.split("x")) for s in args.nk] if args.nk else (NK_ALL[:2] if args.quick else NK_ALL)
-    chains = args.chains or list(CHAINS)
-    if args.quick:  # fits one 10-minute run: fewer tile configs, Inductor only where the targets are
-        args.max_configs = args.max_configs or 2
-        args.inductor_budget_s = args.inductor_budget_s if args.inductor_budget_s is not None else 180.0
-        args.inductor_min_m = args.inductor_min_m if args.inductor_min_m is not None else LARGE_M
-        args.cutlass_plain = bool(args.cutlass_plain)
-    args.inductor_min_m = args.inductor_min_m if args.inductor_min_m is not None else 1
-    args.cutlass_plain = True if args.cutlass_plain is None else args.cutlass_plain
-    args.max_configs = args.max_configs or 99
+    start = time.time()
+    setup_caches(Path(args.cache_dir))
     dtype = getattr(torch, args.dtype)
+    ms = args.m or M_ALL
+    nks = [tuple(int(x) for x in s.split("x")) for s in args.nk] if args.nk else NK_ALL
+    plan = plan_rows(ms, nks, args.chains or list(CHAINS))
+    jsonl = Path(args.jsonl)
+    _, done = read_jsonl(jsonl)
+    todo = [t for t in plan if args.fresh or (*t, args.dtype) not in done]
+    print(f"{len(plan)} rows planned, {len(plan) - len(todo)} already in {jsonl}, {len(todo)} to run", flush=True)
+
     env = versions()
-    budget = Budget(args.inductor_budget_s)
-    rows = []
+    if args.inductor_mode != "off":
+        env["inductor"] = configure_inductor(args)
+    append_jsonl(jsonl, {"kind": "env", "env": env})
+    if args.prebuild_workers > 0 and todo:
+        prebuild(todo, dtype, args)
+
+    rows, spent = [], {}
     with tempfile.TemporaryDirectory() as db_dir:
-        for chain in chains:
-            for n, k in nks:
-                for m in ms:
-                    t0 = time.time()
-                    row = run_row(m, n, k, chain, dtype, args, budget, db_dir)
-                    rows.append(row)
-                    print(table_lines([row])[-1] + f"   ({time.time() - t0:.0f}s)", flush=True)
-                    if args.json:  # a run cut short by a time limit still leaves its rows
-                        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-                    torch.cuda.empty_cache()
-    emit(rows, env, args)
+        for i, (m, n, k, chain) in enumerate(todo):
+            first = i == 0 or todo[i - 1][:3] != (m, n, k)  # pays for Inductor's GEMM autotuning
+            guess = spent.get((first, m), max(spent.values(), default=0.0))
+            if args.budget_s is not None and time.time() - start + 1.25 * guess > args.budget_s:
+                print(f"budget: stopping before M={m} N={n} K={k} {chain} ({time.time() - start:.0f}s spent, "
+                      f"about {guess:.0f}s needed); {len(todo) - i} rows left -- the same command resumes",
+                      flush=True)
+                break
+            t0 = time.time()
+            row = run_row(m, n, k, chain, dtype, args, db_dir)
+            row["row_s"] = round(time.time() - t0, 1)
+            spent[(first, m)] = max(spent.get((first, m), 0.0), row["row_s"])
+            rows.append(row)
+            append_jsonl(jsonl, {"kind": "row", "row": row})
+            print(table_lines([row])[-1] + f"   ({row['row_s']:.0f}s)", flush=True)
+            torch.cuda.empty_cache()
+    print(f"\n{len(rows)} rows in {time.time() - start:.0f}s", flush=True)
+    _, everything = read_jsonl(jsonl)
+    emit(list(everything.values()), env, args)
     return 0
 
 

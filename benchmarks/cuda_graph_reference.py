@@ -1,18 +1,21 @@
 """Hand-built CUDA graphs with a WHILE node: the yardstick for benchmarks/cuda_graph_control_flow.py.
 
 Written directly against the CUDA driver through cuda-bindings (NVRTC kernels,
-raw cuLaunchKernel / cuMemcpyDtoDAsync, a conditional node added by hand). No
-torch op and no branchyard code runs inside these graphs; torch only provides
-the device buffers and the timing events.
+raw cuLaunchKernel, a conditional node added by hand). No branchyard code runs
+inside these graphs, and no torch op except in the ``torch`` body; torch
+provides the device buffers and the timing events.
 
-Two loop bodies, both computing ``while i < n: i += 1; x = lerp(x, c, 0.5)`` over
+Three loop bodies, all computing ``while i < n: i += 1; x = lerp(x, c, 0.5)`` over
 64K floats:
 
 ``minimal``  2 kernels: ``x = x + 0.5 (c - x)`` in place, then one thread does
              ``i += 1; set(h, i < n)`` -- the issue's reference body.
-``same``     the 5 kernel nodes our lowering emits for that program, one for one:
-             ``j = i + 1``, ``y = lerp(x, c)``, one copy kernel ``i <- j; x <- y``,
-             ``p = i < n``, ``set(h, p)``.
+``same``     the 3 kernel nodes our lowering emits for that program, one for one:
+             ``j = i + 1``, ``y = lerp(x, c)``, and one step kernel that copies
+             ``i <- j; x <- y`` and sets ``h = j < n`` (all NVRTC kernels here).
+``torch``    the same 3 nodes, but ``j = i + 1`` and ``y = lerp(x, c)`` are torch's own
+             kernels (captured from ``torch.add(out=)`` / ``torch.lerp(out=)``) -- what
+             separates ours from ``same`` if the node layout is equal: torch's kernels.
 
 Run: ``python benchmarks/cuda_graph_reference.py`` (prints per-iteration times).
 """
@@ -37,14 +40,14 @@ extern "C" __global__ void lerp_half_inplace(float* x, const float* c, int n) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k < n) x[k] = c[k] - (c[k] - x[k]) * 0.5f;
 }
-extern "C" __global__ void copy2(long long* i, const long long* j, float* x, const float* y, int n) {
+// copy i <- j and x <- y, then one thread sets h = (j < n): the step node of our lowering
+extern "C" __global__ void copy2_set(cudaGraphConditionalHandle h, long long* i, const long long* j,
+                                     const long long* n, float* x, const float* y, int numel) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k == 0) *i = *j;
-    for (; k < n; k += gridDim.x * blockDim.x) x[k] = y[k];
+    if (k == 0) { *i = *j; cudaGraphSetConditional(h, *j < *n ? 1u : 0u); }
+    for (; k < numel; k += gridDim.x * blockDim.x) x[k] = y[k];
 }
 extern "C" __global__ void inc(const long long* i, long long* j) { *j = *i + 1; }
-extern "C" __global__ void less(const long long* i, const long long* n, bool* p) { *p = *i < *n; }
-extern "C" __global__ void set_bool(cudaGraphConditionalHandle h, const bool* p) { cudaGraphSetConditional(h, *p ? 1u : 0u); }
 extern "C" __global__ void start(cudaGraphConditionalHandle h, long long* i, const long long* n) {
     *i = 0; cudaGraphSetConditional(h, 0 < *n ? 1u : 0u);
 }
@@ -82,12 +85,11 @@ class ReferenceLoop:
         self.ctx = _ok(cu.cuCtxGetCurrent())
         self.module = _ok(cu.cuModuleLoadData(cubin))
         k = {name: _ok(cu.cuModuleGetFunction(self.module, name.encode())) for name in
-             ("lerp_half", "lerp_half_inplace", "copy2", "inc", "less", "set_bool", "start", "step_and_set")}
+             ("lerp_half", "lerp_half_inplace", "copy2_set", "inc", "start", "step_and_set")}
         self.x, self.c, self.n = x, c, n
         self.i = torch.zeros((), dtype=torch.int64, device=x.device)
         self.j = torch.zeros_like(self.i)
         self.y = torch.empty_like(x)
-        self.p = torch.zeros((), dtype=torch.bool, device=x.device)
         numel = x.numel()
         blocks = (numel + 255) // 256
         self.stream = torch.cuda.Stream()
@@ -121,13 +123,18 @@ class ReferenceLoop:
         if body == "minimal":
             launch(b, k["lerp_half_inplace"], blocks, 256, (x.data_ptr(), c.data_ptr(), numel), (PTR, PTR, I32))
             launch(b, k["step_and_set"], 1, 1, (int(h), self.i.data_ptr(), n.data_ptr()), (U64, PTR, PTR))
-        elif body == "same":
-            launch(b, k["inc"], 1, 1, (self.i.data_ptr(), self.j.data_ptr()), (PTR, PTR))
-            launch(b, k["lerp_half"], blocks, 256, (x.data_ptr(), c.data_ptr(), self.y.data_ptr(), numel), (PTR, PTR, PTR, I32))
-            launch(b, k["copy2"], blocks, 256, (self.i.data_ptr(), self.j.data_ptr(), x.data_ptr(), self.y.data_ptr(), numel),
-                   (PTR, PTR, PTR, PTR, I32))
-            launch(b, k["less"], 1, 1, (self.i.data_ptr(), n.data_ptr(), self.p.data_ptr()), (PTR, PTR, PTR))
-            launch(b, k["set_bool"], 1, 1, (int(h), self.p.data_ptr()), (U64, PTR))
+        elif body in ("same", "torch"):
+            if body == "same":
+                launch(b, k["inc"], 1, 1, (self.i.data_ptr(), self.j.data_ptr()), (PTR, PTR))
+                launch(b, k["lerp_half"], blocks, 256, (x.data_ptr(), c.data_ptr(), self.y.data_ptr(), numel),
+                       (PTR, PTR, PTR, I32))
+            else:
+                with torch.cuda.stream(side):  # torch launches on `side`, which is capturing into the body
+                    torch.add(self.i, 1, out=self.j)
+                    torch.lerp(x, c, 0.5, out=self.y)
+            launch(b, k["copy2_set"], blocks, 256,
+                   (int(h), self.i.data_ptr(), self.j.data_ptr(), n.data_ptr(), x.data_ptr(), self.y.data_ptr(), numel),
+                   (U64, PTR, PTR, PTR, PTR, PTR, I32))
         else:
             raise ValueError(body)
         _ok(cu.cuStreamEndCapture(b))
@@ -160,7 +167,7 @@ class ReferenceLoop:
 
 if __name__ == "__main__":
     x, c = torch.randn(1 << 16, device="cuda"), torch.randn(1 << 16, device="cuda")
-    for body in ("minimal", "same"):
+    for body in ("minimal", "same", "torch"):
         for trips in (1000, 10000):
             loop = ReferenceLoop(x.clone(), c, torch.tensor(trips, device="cuda"), body)
             print(f"{body:8s} n={trips:6d}: {loop.time_ms() * 1e3 / trips:6.2f} us/iter, {loop.body_nodes} body nodes")

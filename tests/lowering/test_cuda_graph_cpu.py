@@ -5,6 +5,8 @@ The capture itself needs a GPU and is tested in tests/gpu/test_cuda_graph_gpu.py
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
 import warnings
 
@@ -58,6 +60,13 @@ def cond_program(true_fn, false_fn, pred_fn) -> GraphModule:
         return (g.call_function(operator.getitem, (c, 0)),)
 
     return hand_built(1, {"true_fn": true_fn, "false_fn": false_fn}, build)
+
+
+class Countdown(torch.nn.Module):
+    """while i < n: i += 1; x = lerp(x, c, 0.5) -- the benchmark's loop."""
+
+    def forward(self, x, c, n):
+        return while_loop(lambda i, y: i < n, lambda i, y: (i + 1, torch.lerp(y, c, 0.5)), (torch.zeros((), dtype=torch.int64), x))
 
 
 class CountdownWithCond(torch.nn.Module):
@@ -318,7 +327,7 @@ def test_torch_compile_backend_falls_back_with_correct_results():
 
 # --------------------------------------------------------------------------- NVRTC (no GPU needed)
 def test_set_kernels_compile_with_nvrtc():
-    from branchyard.lowering.cuda_graph.conditional_nodes import cuda_bindings_available, compile_set_kernels
+    from branchyard.lowering.cuda_graph.conditional_nodes import SET_KERNEL_NAMES, compile_set_kernels, cuda_bindings_available
 
     reason = cuda_bindings_available()
     if reason:
@@ -330,8 +339,8 @@ def test_set_kernels_compile_with_nvrtc():
             raise
         pytest.skip(f"NVRTC unavailable: {exc}")
     assert cubin[:4] == b"\x7fELF"
-    for name in (b"branchyard_set_bool", b"branchyard_set_if_pair", b"branchyard_set_index"):
-        assert name in cubin
+    for name in SET_KERNEL_NAMES:
+        assert name.encode() in cubin
 
 
 # --------------------------------------------------------------------------- hand-built programs (torch 2.11 path)
@@ -358,3 +367,270 @@ def test_switch_in_while_from_fx_builders_analyzes_and_runs():
     i, y = program(*args)
     assert i.item() == 6
     torch.testing.assert_close(y, x)
+
+
+# --------------------------------------------------------------------------- patterns (node savings)
+from branchyard.lowering.cuda_graph.patterns import COMPARE_CODES, match_comparison, out_form  # noqa: E402
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("name", sorted(COMPARE_CODES))
+def test_every_spelling_of_a_comparison_is_matched(name):
+    i, n = torch.tensor(3), torch.tensor(5)
+    for target, args in [
+        (getattr(operator, name), (i, n)),
+        (getattr(torch, name), (i, n)),
+        (getattr(aten, name).Tensor, (i, n)),
+        (getattr(aten, name).Scalar, (i, 5)),
+    ]:
+        cmp = match_comparison(target, args, {}, require_cuda=False)
+        assert cmp is not None and cmp.op == name, target
+        assert torch.equal(cmp.evaluate(), target(*args))
+
+
+def test_a_number_on_the_left_is_mirrored():
+    i = torch.tensor(3)
+    for name, mirrored in [("lt", "gt"), ("le", "ge"), ("gt", "lt"), ("ge", "le"), ("eq", "eq"), ("ne", "ne")]:
+        cmp = match_comparison(getattr(operator, name), (4, i), {}, require_cuda=False)
+        assert cmp.op == mirrored and cmp.lhs is i and cmp.rhs == 4
+        assert cmp.evaluate().item() == getattr(operator, name)(4, 3)
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        ((torch.tensor(3), torch.tensor(3.0)), "mixed dtypes: torch promotes"),
+        ((torch.tensor([3]), 1), "not 0-d"),
+        ((torch.tensor(3), 2.5), "an int tensor against a float: torch compares in float32"),
+        ((torch.tensor(3, dtype=torch.int32), 2**40), "the number does not fit int32"),
+        ((torch.tensor(True), True), "bool operands"),
+        ((torch.tensor(3.0, dtype=torch.float16), 1.0), "float16 has no kernel code"),
+        ((1, 2), "no tensor"),
+    ],
+)
+def test_comparisons_the_set_kernel_cannot_do_exactly_stay_torch_kernels(args, why):
+    assert match_comparison(operator.lt, args, {}, require_cuda=False) is None, why
+
+
+def test_comparisons_on_the_host_are_not_matched_for_the_device():
+    assert match_comparison(operator.lt, (torch.tensor(1), 2), {}) is None  # CPU tensor: the kernel can't read it
+    assert match_comparison(operator.add, (torch.tensor(1), 2), {}, require_cuda=False) is None
+
+
+def test_out_forms_of_aten_ops_python_operators_and_torch_functions():
+    assert out_form(aten.add.Tensor, (torch.ones(2), torch.ones(2))) is aten.add.out
+    assert out_form(aten.lerp.Scalar, (torch.ones(2), torch.ones(2), 0.5)) is aten.lerp.Scalar_out
+    assert out_form(aten.mul.Scalar, (torch.ones(2), 2.0)) is aten.mul.Scalar_out
+    assert out_form(operator.mul, (torch.ones(2), 2.0)) is torch.mul
+    assert out_form(operator.add, (2.0, torch.ones(2))) is None  # torch.add(2.0, x, out=...) is not valid
+    for no_out in (aten.t.default, aten.view.default, aten.add_.Tensor, aten.max.dim):
+        assert out_form(no_out, (torch.ones(2, 2),)) is None, no_out
+    assert out_form(print, (torch.ones(2),)) is None
+
+
+@pytest.mark.parametrize(
+    "target, args",
+    [
+        (aten.add.Tensor, (torch.randn(5), torch.randn(5))),
+        (aten.lerp.Scalar, (torch.randn(5), torch.randn(5), 0.3)),
+        (operator.mul, (torch.randn(5), 0.7)),
+        (operator.truediv, (torch.arange(5), 3)),  # int / int -> float, like the functional op
+        (operator.sub, (torch.randn(5), torch.randn(1))),  # broadcast
+        (torch.where, (torch.tensor([True, False, True]), torch.randn(3), torch.randn(3))),
+    ],
+)
+def test_out_forms_compute_exactly_what_the_op_computes(target, args):
+    want = target(*args)
+    buf = torch.empty_like(want)
+    out_form(target, args)(*args, out=buf)
+    assert torch.equal(buf, want)
+
+
+# --------------------------------------------------------------------------- max_iterations without CUDA
+class Forever(torch.nn.Module):
+    def forward(self, x, n):
+        return while_loop(lambda y: y.sum() > n, lambda y: (y + 1.0,), (x,))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is what CPU-only machines get")
+def test_eager_fallback_stops_loops_at_max_iterations():
+    x = torch.ones(4)
+    ep = torch.export.export(Forever(), (x, torch.tensor(0.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CudaGraphFallbackWarning)
+        m = cuda_graph(ep, (x, torch.tensor(0.0)), max_iterations=50)
+    assert not m.lowered
+    (y,) = m(x, torch.tensor(0.0))
+    assert torch.equal(y, x + 50) and m.iterations_exhausted()
+    (y,) = m(x, torch.tensor(100.0))  # never enters the loop
+    assert torch.equal(y, x) and not m.iterations_exhausted()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CudaGraphFallbackWarning)
+        unlimited = cuda_graph(ep, (x, torch.tensor(0.0)))
+    assert torch.equal(unlimited(x, torch.tensor(100.0))[0], x)  # without the option: the module's own forward
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is what CPU-only machines get")
+def test_eager_fallback_limits_loops_inside_branches_and_switches():
+    from branchyard.lowering.cuda_graph.fx_builders import switch_module, trace, while_loop_module
+
+    doubling = while_loop_module(lambda y: y.sum() > -1.0, lambda y: (y * 2,), num_carried=1)  # never ends on x > 0
+
+    class Pick(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sw = switch_module([lambda y: y - 1.0, doubling], num_operands=1)
+
+        def forward(self, k, y):
+            return self.sw(k, y)
+
+    program = trace(Pick())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CudaGraphFallbackWarning)
+        m = cuda_graph(program, (torch.tensor(0), torch.ones(3)), max_iterations=7)
+    (y,) = m(torch.tensor(5), torch.ones(3))  # 5 clamps to the looping branch
+    assert torch.equal(y, torch.full((3,), 2.0**7)) and m.iterations_exhausted()
+    (y,) = m(torch.tensor(-3), torch.ones(3))  # clamps to branch 0: no loop
+    assert torch.equal(y, torch.zeros(3)) and not m.iterations_exhausted()
+    ep_args = (torch.ones(4), torch.tensor(100.0))
+    lb = torch.export.export(LoopInBranch(), ep_args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CudaGraphFallbackWarning)
+        m = cuda_graph(lb, ep_args, max_iterations=3)
+    y = m(*ep_args)  # sum 4 -> 8 -> 16 -> 32, stopped before 64 < 100 is reached
+    assert torch.equal(y, torch.full((4,), 8.0)) and m.iterations_exhausted()
+    y = m(torch.ones(4), torch.tensor(10.0))  # 4 -> 8 -> 16 ends by itself after 2 trips
+    assert torch.equal(y, torch.full((4,), 4.0)) and not m.iterations_exhausted()
+
+
+# --------------------------------------------------------------------------- what the capture emits (no GPU)
+class RecordingBuilder:
+    """Stands in for ConditionalBuilder: records each call per body, runs copies so values stay right."""
+
+    def __init__(self):
+        self.calls: dict[str, list[tuple]] = {"top": []}
+        self._where = ["top"]
+
+    def _log(self, *call):
+        self.calls[self._where[-1]].append(call)
+
+    def new_handle(self):
+        return object()
+
+    def set_predicate(self, handles, pred, *, copies=(), counter=None, reset=False):
+        for dst, src in copies:
+            dst.copy_(src)
+        self._log("step", getattr(pred, "op", "flag"), len(handles), len(copies), counter is not None, reset)
+
+    def set_from_index(self, handle, index, n):
+        self._log("set_index", n)
+
+    def set_onehot(self, handles, index, per_kernel=8):
+        self._log("set_onehot", len(handles), per_kernel)
+
+    def copy_many(self, pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+        self._log("copy", len(pairs))
+
+    def add_node(self, kind, handle, size):
+        self._log(kind.name, size)
+        names = [f"{self._where[-1]}/{kind.name}{len(self.calls)}.{i}" for i in range(size)]
+        for name in names:
+            self.calls[name] = []
+        return names
+
+    @contextlib.contextmanager
+    def capture_into(self, body):
+        self._where.append(body)
+        try:
+            yield
+        finally:
+            self._where.pop()
+
+
+def record_capture(monkeypatch, program, args, **options) -> dict[str, list[tuple]]:
+    """Run the CAPTURE phase on CPU tensors with a RecordingBuilder; the calls, body by body."""
+    from branchyard.lowering.cuda_graph import capture
+
+    # the set kernel reads device memory; on CPU pretend it could
+    monkeypatch.setattr(capture, "match_comparison", functools.partial(match_comparison, require_cuda=False))
+    gm = capture._as_graph_module(program)
+    ctx = capture.LoweringContext(
+        capture.Phase.VALIDATE, None, max_iterations=options.get("max_iterations"), switch_as_ifs=options.get("switch", "node") != "node"
+    )
+    capture.validate(gm, list(args), ctx)
+    ctx.phase, ctx.builder = capture.Phase.CAPTURE, RecordingBuilder()
+    if ctx.max_iterations is not None:
+        ctx.exhausted = torch.zeros((), dtype=torch.bool)
+    out = capture.ControlFlowInterpreter(gm, ctx).run(*args)
+    ctx.builder.calls["result"] = out
+    return ctx.builder.calls
+
+
+def test_a_loop_trip_ends_in_one_step_call_that_compares_and_copies(monkeypatch):
+    args = (torch.randn(8), torch.randn(8), torch.tensor(5))
+    ep = torch.export.export(Countdown(), args)
+    calls = record_capture(monkeypatch, ep, args)
+    # before the loop: the carries copied in, the predicate i < n evaluated by the set kernel itself
+    assert calls["top"] == [("copy", 2), ("step", "lt", 1, 0, False, True), ("WHILE", 1)]
+    # each trip: body ops, then ONE step: copy both carries back, compare the new i with n, set
+    (body,) = [k for k in calls if "WHILE" in k]
+    assert calls[body] == [("step", "lt", 1, 2, False, False)]
+    i, y = calls["result"]
+    assert i.item() == 1  # the body ran once during capture
+
+
+def test_max_iterations_counts_in_the_step_kernel(monkeypatch):
+    args = (torch.randn(8), torch.randn(8), torch.tensor(5))
+    calls = record_capture(monkeypatch, torch.export.export(Countdown(), args), args, max_iterations=9)
+    assert calls["top"][1] == ("step", "lt", 1, 0, True, True)  # resets the counter
+    (body,) = [k for k in calls if "WHILE" in k]
+    assert calls[body] == [("step", "lt", 1, 2, True, False)]
+
+
+def test_branch_outputs_are_written_in_place_and_predicates_compared_by_the_set_kernel(monkeypatch):
+    args = (torch.randn(8), torch.tensor(5))
+    calls = record_capture(monkeypatch, torch.export.export(CountdownWithCond(), args), args)
+    (loop,) = [k for k in calls if k.count("/") == 1]
+    # y.sum() > 0 feeds only the cond: no gt kernel, the set kernel compares the sum with 0
+    assert calls[loop] == [("step", "gt", 1, 0, False, False), ("IF", 2), ("step", "lt", 1, 2, False, False)]
+    branches = [k for k in calls if k.count("/") == 2]
+    assert len(branches) == 2 and all(calls[b] == [("copy", 0)] for b in branches)  # t * 2 / t - 1 wrote in place
+
+
+def test_nested_conds_pass_their_output_buffers_down(monkeypatch):
+    # switch_to_cond's tree for 4 branches: cond(k <= 1, cond(k <= 0, b0, b1), cond(k <= 2, b2, b3))
+    def leaf(k):
+        return torch.fx.symbolic_trace(lambda idx, x: (x * (k + 2),))
+
+    def split(mid, left, right):
+        def build(g, ins, a):
+            pred = g.call_function(operator.le, (ins[0], mid))
+            c = g.call_function(COND, (pred, a["true_fn"], a["false_fn"], (ins[0], ins[1])))
+            return (g.call_function(operator.getitem, (c, 0)),)
+
+        return hand_built(2, {"true_fn": left, "false_fn": right}, build)
+
+    tree = split(1, split(0, leaf(0), leaf(1)), split(2, leaf(2), leaf(3)))
+    for k in (-1, 0, 1, 2, 3, 9):
+        calls = record_capture(monkeypatch, tree, (torch.tensor(k), torch.ones(3)))
+        leaves = [k for k in calls if k.count("/") == 2]
+        assert len(leaves) == 4 and all(calls[b] == [("copy", 0)] for b in leaves)  # no copy at any level
+        inner = [k for k in calls if k.count("/") == 1]
+        assert all(calls[b] == [("step", "le", 1, 0, False, False), ("IF", 2), ("copy", 0)] for b in inner)
+        # capture runs every branch once: the outputs hold the last (else) branch's value
+        assert torch.equal(calls["result"][0], torch.full((3,), 5.0))
+
+
+def test_switch_index_is_read_as_is_and_if_chains_set_handles(monkeypatch):
+    from branchyard.lowering.cuda_graph.fx_builders import switch_module
+
+    sw = switch_module([lambda x: x + 1, lambda x: x * 3, lambda x: x - 2], num_operands=1)
+    for index in (torch.tensor(1, dtype=torch.int32), torch.tensor([2])):
+        calls = record_capture(monkeypatch, sw, (index, torch.ones(4)))
+        assert calls["top"] == [("set_index", 3), ("SWITCH", 3)]
+        assert all(calls[b] == [("copy", 0)] for b in calls if "SWITCH" in b)
+    calls = record_capture(monkeypatch, sw, (torch.tensor(1), torch.ones(4)), switch="if_chain")
+    assert calls["top"] == [("set_onehot", 3, 8), ("IF", 1), ("IF", 1), ("IF", 1)]

@@ -54,8 +54,9 @@ def cuda_graph(
     ``while_loop`` after that many trips (``CudaGraphModule.iterations_exhausted()``
     says whether one was stopped); ``if_else`` picks ``"one_node"``,
     ``"two_nodes"`` or ``"auto"`` (one node where the driver is CUDA >= 12.8);
-    ``switch="if_chain"`` lowers a switch as n IF nodes (XLA's way; for
-    comparison) instead of one SWITCH node.
+    ``switch="if_chain"`` lowers a switch as n IF nodes set by one kernel
+    (XLA's way; for comparison) and ``"if_chain_each"`` as n IF nodes with a set
+    kernel each, instead of one SWITCH node.
     Without CUDA it falls back to eager, warning once::
 
         >>> import torch, warnings

@@ -12,7 +12,12 @@ walk serves three phases (:class:`Phase`):
               handles, Triton autotuning, allocator growth) happens before capture.
 ``CAPTURE``   inside ``torch.cuda.graph``: plain ops are captured as they run;
               control flow becomes conditional nodes whose bodies are captured
-              by recursion on side streams.
+              by recursion on side streams. Two patterns (:mod:`.patterns`)
+              save nodes: a 0-d comparison feeding a conditional node is left
+              to the set kernel, and a branch output is written in place by an
+              op's ``out=`` form.
+``EAGER``     the fallback without CUDA when ``max_iterations`` is set: control
+              flow runs on the host, loops stopped after ``max_iterations`` trips.
 
 :class:`CudaGraphModule` drives the three phases and replays the graph.
 """
@@ -20,6 +25,7 @@ walk serves three phases (:class:`Phase`):
 from __future__ import annotations
 
 import enum
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -30,7 +36,8 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from branchyard.errors import BranchyardError, LoweringError, UnsupportedGraphError
-from branchyard.lowering.cuda_graph.handlers import TensorMeta, handler_for
+from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handler_for
+from branchyard.lowering.cuda_graph.patterns import COMPARISONS, match_comparison, out_form
 
 __all__ = [
     "Phase",
@@ -47,6 +54,7 @@ class Phase(enum.Enum):
     VALIDATE = "validate"
     WARMUP = "warmup"
     CAPTURE = "capture"
+    EAGER = "eager"
 
 
 #: torch-level functions that draw random numbers (graphs from torch.compile are torch-level).
@@ -58,6 +66,13 @@ RNG_FUNCTION_NAMES = frozenset(
 RNG_METHOD_NAMES = frozenset(
     "uniform_ normal_ bernoulli bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_".split()
 )
+
+
+def _in(target: Any, table: dict) -> bool:
+    try:
+        return target in table
+    except TypeError:  # unhashable target
+        return False
 
 
 def _is_rng(op: str, target: Any) -> bool:
@@ -81,7 +96,11 @@ class LoweringContext:
     switch_as_ifs: bool = False
     builder: Any = None  # ConditionalBuilder during CAPTURE
     exhausted: torch.Tensor | None = None  # set by loops that hit max_iterations
+    exhausted_eagerly: bool = False  # the same, in the EAGER phase
+    if_chain_kernels: str = "one"  # switch as IF nodes: "one" set kernel for all, or "each" its own
     out_meta: dict[Node, list[TensorMeta]] = field(default_factory=dict)
+    #: every tensor-valued node's (shape, dtype) seen while validating; None where runs disagreed
+    node_meta: dict[Node, tuple | None] = field(default_factory=dict)
     keepalive: list[Any] = field(default_factory=list)
     #: control-flow sites seen while validating: (kind, path, depth)
     sites: list[tuple[str, str, int]] = field(default_factory=list)
@@ -90,13 +109,48 @@ class LoweringContext:
 class ControlFlowInterpreter(torch.fx.Interpreter):
     """An FX interpreter that routes control flow through :data:`.handlers.HANDLERS`."""
 
-    def __init__(self, gm: GraphModule, ctx: LoweringContext, path: tuple[str, ...] = (), depth: int = 0):
+    def __init__(
+        self,
+        gm: GraphModule,
+        ctx: LoweringContext,
+        path: tuple[str, ...] = (),
+        depth: int = 0,
+        *,
+        targets: Sequence[torch.Tensor] | None = None,
+        defer_predicate: bool = False,
+    ):
         super().__init__(gm, garbage_collect_values=False)
         self.extra_traceback = False  # our errors already name the node; keep messages short
         self.ctx = ctx
         self.path = path
         self.depth = depth
         self._node: Node | None = None
+        #: CAPTURE: node -> buffer its op writes with out= ; control-flow node -> {output index: buffer}
+        self.targets: dict[Node, torch.Tensor] = {}
+        self.hop_targets: dict[Node, dict[int, torch.Tensor]] = {}
+        if targets is not None and ctx.phase is Phase.CAPTURE:
+            self._plan_targets(list(targets))
+        self.defer_predicate = defer_predicate and ctx.phase is Phase.CAPTURE
+
+    def _plan_targets(self, targets: list[torch.Tensor]) -> None:
+        """Map each graph output to the buffer it should land in (used by conditional-node bodies).
+
+        Only the op that produces an output writes its target, once; the target is fresh
+        memory no operand aliases, so writing it early is safe. A control-flow node's
+        outputs pass the targets down to its own bodies.
+        """
+        out_node = next(n for n in reversed(self.graph.nodes) if n.op == "output")
+        outs = out_node.args[0]
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for value, target in zip(outs, targets):
+            if not isinstance(value, Node) or value.op != "call_function" or value in self.targets:
+                continue
+            if handler_for(value.target) is None and value.target is not operator.getitem:
+                self.targets[value] = target
+            elif value.target is operator.getitem and isinstance(value.args[0], Node):
+                hop, i = value.args[0], value.args[1]
+                if handler_for(hop.target) in (HANDLERS["cond"], HANDLERS["switch"]):
+                    self.hop_targets.setdefault(hop, {}).setdefault(i, target)
 
     # -- helpers for handlers ----------------------------------------------------
     def where(self) -> str:
@@ -111,18 +165,53 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         if self.ctx.phase is Phase.CAPTURE:
             self.ctx.keepalive.extend(values)
 
-    def subgraph(self, fn: Any, args: tuple, label: str) -> tuple:
-        """Run a body/branch (a GraphModule, or any callable) one level down; outputs as a tuple."""
+    def subgraph(
+        self,
+        fn: Any,
+        args: tuple,
+        label: str,
+        *,
+        targets: Sequence[torch.Tensor] | None = None,
+        defer_predicate: bool = False,
+    ) -> tuple:
+        """Run a body/branch (a GraphModule, or any callable) one level down; outputs as a tuple.
+
+        While capturing, ``targets`` are buffers the outputs should be written into
+        where an op can do so in place (compare each output with its target before
+        copying), and ``defer_predicate`` lets a final 0-d comparison come back as a
+        :class:`~.patterns.Comparison` for the set kernel instead of a bool tensor.
+        """
         path = (*self.path, f"node {self._node.name!r}" if self._node is not None else "?", label)
         if isinstance(fn, GraphModule):
-            out = ControlFlowInterpreter(fn, self.ctx, path, self.depth + 1).run(*args)
+            sub = ControlFlowInterpreter(
+                fn, self.ctx, path, self.depth + 1, targets=targets, defer_predicate=defer_predicate
+            )
+            out = sub.run(*args)
         else:
             out = fn(*args)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
+    def _feeds_only_conditionals(self, n: Node) -> bool:
+        """Whether every use of ``n`` is as a cond predicate or (when deferring) the graph's sole output."""
+        for user in n.users:
+            if user.op == "output":
+                outs = user.args[0]
+                if not (self.defer_predicate and (outs is n or (isinstance(outs, (tuple, list)) and list(outs) == [n]))):
+                    return False
+            elif not (handler_for(user.target) is HANDLERS["cond"] and user.args and user.args[0] is n):
+                return False
+        return bool(n.users)
+
     # -- Interpreter overrides ---------------------------------------------------
     def run_node(self, n: Node) -> Any:
         self._node = n
+        if self.ctx.phase is Phase.CAPTURE and n.op == "call_function" and _in(n.target, COMPARISONS):
+            if self._feeds_only_conditionals(n):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                deferred = match_comparison(n.target, args, kwargs)
+                if deferred is not None:
+                    self.ctx.keepalive.append(deferred)
+                    return deferred
         try:
             result = super().run_node(n)
         except BranchyardError:
@@ -140,7 +229,14 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
             self.ctx.keepalive.append(result)
         elif self.ctx.phase is Phase.VALIDATE:
             self._check_devices(n, result)
+            self._record_meta(n, result)
         return result
+
+    def _record_meta(self, n: Node, result: Any) -> None:
+        meta = (tuple(result.shape), result.dtype) if isinstance(result, torch.Tensor) else None
+        if n in self.ctx.node_meta and self.ctx.node_meta[n] != meta:
+            meta = None  # the same graph ran on different shapes: never write it in place
+        self.ctx.node_meta[n] = meta
 
     def _check_devices(self, n: Node, result: Any) -> None:
         device = self.ctx.device
@@ -158,13 +254,29 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         handler = handler_for(target)
         if handler is None:
             self._check_rng("call_function", target)
+            if self._node in self.targets:
+                written = self._write_in_place(target, args, kwargs, self.targets[self._node])
+                if written is not None:
+                    return written
             return super().call_function(target, args, kwargs)
         unpacked = handler.unpack(args, kwargs)
         if self.ctx.phase is Phase.VALIDATE:
             self.ctx.sites.append((handler.name, self.where(), self.depth))
         if self.ctx.phase is Phase.CAPTURE:
             return handler.capture(self, self._node, *unpacked)
+        if self.ctx.phase is Phase.EAGER:
+            return handler.run(self, self._node, *unpacked)
         return handler.evaluate(self, self._node, *unpacked)
+
+    def _write_in_place(self, target: Any, args: tuple, kwargs: dict, buffer: torch.Tensor) -> torch.Tensor | None:
+        """``target(*args, out=buffer)`` when it has an out form and the validated result matches ``buffer``."""
+        if "out" in kwargs or self.ctx.node_meta.get(self._node) != (tuple(buffer.shape), buffer.dtype):
+            return None
+        form = out_form(target, args)
+        if form is None:
+            return None
+        form(*args, **kwargs, out=buffer)
+        return buffer
 
     def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
         sub = self.fetch_attr(target)
@@ -248,6 +360,10 @@ def validate(gm: GraphModule, inputs: Sequence[Any], ctx: LoweringContext) -> An
         return ControlFlowInterpreter(gm, ctx).run(*fakes)
 
 
+#: ``switch=`` values: one SWITCH node, or n IF nodes set by one kernel / by one kernel each.
+SWITCH_LOWERINGS = ("node", "if_chain", "if_chain_each")
+
+
 class CudaGraphModule(torch.nn.Module):
     """A program captured as ONE CUDA graph, control flow included.
 
@@ -269,8 +385,10 @@ class CudaGraphModule(torch.nn.Module):
         clone_outputs: bool = True,
     ):
         super().__init__()
-        if switch not in ("node", "if_chain"):
-            raise LoweringError(f"switch must be 'node' or 'if_chain', got {switch!r}", where="cuda_graph")
+        if switch not in SWITCH_LOWERINGS:
+            raise LoweringError(
+                f"switch must be one of {', '.join(map(repr, SWITCH_LOWERINGS))}, got {switch!r}", where="cuda_graph"
+            )
         if if_else not in ("auto", "one_node", "two_nodes"):
             raise LoweringError(f"if_else must be 'auto', 'one_node' or 'two_nodes', got {if_else!r}", where="cuda_graph")
         if max_iterations is not None and (not isinstance(max_iterations, int) or max_iterations < 0):
@@ -284,7 +402,13 @@ class CudaGraphModule(torch.nn.Module):
         self._example_meta = [(type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in inputs]
 
         device = self._target_device(inputs)
-        self.ctx = LoweringContext(Phase.VALIDATE, device, max_iterations=max_iterations, switch_as_ifs=switch == "if_chain")
+        self.ctx = LoweringContext(
+            Phase.VALIDATE,
+            device,
+            max_iterations=max_iterations,
+            switch_as_ifs=switch != "node",
+            if_chain_kernels="each" if switch == "if_chain_each" else "one",
+        )
         validate(self.gm, inputs, self.ctx)  # structural errors raise here, on any machine
         self.sites = list(self.ctx.sites)
         if device is None:
@@ -364,7 +488,7 @@ class CudaGraphModule(torch.nn.Module):
     # -- calls ----------------------------------------------------------------------------
     def forward(self, *args: Any) -> Any:
         if not self.lowered:
-            return self.gm(*args)
+            return self._run_eagerly(args)
         flat = args if all(isinstance(a, torch.Tensor) for a in args) else list(pytree.tree_leaves(args))
         if len(flat) != len(self._static_inputs):
             raise LoweringError(f"expected {len(self._static_inputs)} inputs, got {len(flat)}", where="CudaGraphModule call")
@@ -390,8 +514,17 @@ class CudaGraphModule(torch.nn.Module):
             return tuple(t.clone() for t in self._outputs)
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._outputs)
 
+    def _run_eagerly(self, args: tuple) -> Any:
+        if self.ctx.max_iterations is None:
+            return self.gm(*args)
+        # Loops must stop at max_iterations here too: run the control flow on the host.
+        self.ctx.phase, self.ctx.exhausted_eagerly = Phase.EAGER, False
+        return ControlFlowInterpreter(self.gm, self.ctx).run(*pytree.tree_leaves(args))
+
     def iterations_exhausted(self) -> bool:
         """Whether the last call stopped some while_loop at ``max_iterations`` (reads the device: syncs)."""
+        if not self.lowered:
+            return self.ctx.exhausted_eagerly
         if self.ctx.exhausted is None:
             return False
         return bool(self.ctx.exhausted.item())

@@ -4,10 +4,10 @@ torch 2.11 has no conditional-node support, so this module talks to the CUDA
 driver directly (``cuda.bindings.driver`` and ``cuda.bindings.nvrtc``) while
 torch's own ``torch.cuda.graph`` capture is in progress:
 
-1. A one-thread *set kernel*, compiled once with NVRTC, reads a predicate or
-   index from device memory and calls ``cudaGraphSetConditional`` on a
-   conditional handle. It is launched on the capturing torch stream, so it is
-   captured as an ordinary kernel node.
+1. A *set kernel*, compiled once with NVRTC, reads a predicate (or evaluates a
+   0-d comparison) or an index from device memory and calls
+   ``cudaGraphSetConditional`` on a conditional handle. It is launched on the
+   capturing torch stream, so it is captured as an ordinary kernel node.
 2. :meth:`ConditionalBuilder.add_node` creates the handle on the graph being
    captured (``cuStreamGetCaptureInfo``), adds an IF / WHILE / SWITCH node after
    the set kernel, and makes the capturing stream depend on that node.
@@ -16,10 +16,15 @@ torch's own ``torch.cuda.graph`` capture is in progress:
    Bodies can hold conditional nodes themselves: the side stream is what
    ``cuStreamGetCaptureInfo`` sees at the next level, so nesting is recursion.
 
-Semantics of the set kernels, as Python (``n`` = number of SWITCH bodies)::
+Semantics of the kernels, as Python (``n`` = number of SWITCH bodies)::
 
-    set_bool(h, p):          h = 1 if p else 0
-    set_if_pair(h1, h2, p):  h1, h2 = (1, 0) if p else (0, 1)   # IF + IF lowering of if/else
+    step(h, pred, copies, counter):   # one node: what a loop trip needs after its body
+        for dst, src in copies: dst[:] = src[:]          # up to four dense loop carries
+        v = pred.lhs <op> pred.rhs if pred is a Comparison else bool(pred)
+        if counter:                                       # max_iterations
+            counter.count = 0 if reset else counter.count + 1
+            if v and counter.count >= counter.limit: counter.exhausted, v = True, False
+        h = v; h_else = not v                             # h_else: the IF + IF lowering of if/else
     set_index(h, i, n):      h = min(max(i, 0), n - 1)          # torch.ops.higher_order.switch clamps
     set_onehot(hs, i, n):    hs[k] = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
     copy4(pairs):            dst[:] = src[:] for up to 4 dense (dst, src) pairs, one kernel node
@@ -34,11 +39,14 @@ import contextlib
 import ctypes
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
 from branchyard.errors import LoweringError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from branchyard.lowering.cuda_graph.patterns import Comparison
 
 __all__ = [
     "CondKind",
@@ -46,6 +54,7 @@ __all__ = [
     "compile_set_kernels",
     "cuda_bindings_available",
     "ConditionalBuilder",
+    "TripCounter",
     "GraphNodeCount",
     "count_graph_nodes",
 ]
@@ -65,65 +74,113 @@ SET_KERNEL_SOURCE = r"""
 typedef unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle, unsigned int value);
 
-extern "C" __global__ void branchyard_set_bool(cudaGraphConditionalHandle h, const bool* flag) {
-    cudaGraphSetConditional(h, *flag ? 1u : 0u);
+// dtype codes (DTYPE_CODES in Python): 1 int64, 2 int32, 3 float32, 4 float64, 5 int16, 6 int8, 7 uint8.
+// comparison codes (COMPARE_CODES): 0 flag (a bool read from a), 1 lt, 2 le, 3 gt, 4 ge, 5 eq, 6 ne.
+template <typename T> __device__ __forceinline__ bool by_compare(int op, T a, T b) {
+    switch (op) {
+        case 1: return a < b;   case 2: return a <= b;  case 3: return a > b;
+        case 4: return a >= b;  case 5: return a == b;  default: return a != b;
+    }
+}
+__device__ __forceinline__ long long by_load_int(const void* p, int dtype) {
+    switch (dtype) {
+        case 1: return *(const long long*)p;  case 2: return *(const int*)p;
+        case 5: return *(const short*)p;      case 6: return *(const signed char*)p;
+        default: return *(const unsigned char*)p;
+    }
 }
 
-extern "C" __global__ void branchyard_set_if_pair(cudaGraphConditionalHandle h_then,
-                                                   cudaGraphConditionalHandle h_else,
-                                                   const bool* flag) {
-    unsigned int v = *flag ? 1u : 0u;
-    cudaGraphSetConditional(h_then, v);
-    cudaGraphSetConditional(h_else, 1u - v);
+// The predicate of a conditional node, evaluated by one thread: `a <op> b` in the operands'
+// dtype (integers widened to int64, which is exact), each operand read from device memory
+// when its pointer is non-null, else from the immediates ia/ib (integers) or fa/fb (floats).
+__device__ bool by_predicate(int op, int dtype, const void* a, const void* b,
+                             long long ia, long long ib, double fa, double fb) {
+    if (op == 0) return *(const bool*)a;
+    if (dtype == 3) return by_compare<float>(op, a ? *(const float*)a : (float)fa, b ? *(const float*)b : (float)fb);
+    if (dtype == 4) return by_compare<double>(op, a ? *(const double*)a : fa, b ? *(const double*)b : fb);
+    return by_compare<long long>(op, a ? by_load_int(a, dtype) : ia, b ? by_load_int(b, dtype) : ib);
 }
 
-extern "C" __global__ void branchyard_set_index(cudaGraphConditionalHandle h, const long long* index,
+struct alignas(16) branchyard_v16 { unsigned long long a, b; };
+__device__ __forceinline__ void by_copy(char* d, const char* s, unsigned long long bytes,
+                                        unsigned long long tid, unsigned long long stride) {
+    if ((((unsigned long long)d | (unsigned long long)s | bytes) & 15ull) == 0) {
+        branchyard_v16* dv = (branchyard_v16*)d;
+        const branchyard_v16* sv = (const branchyard_v16*)s;
+        for (unsigned long long i = tid; i < bytes / 16; i += stride) dv[i] = sv[i];
+    } else {
+        for (unsigned long long i = tid; i < bytes; i += stride) d[i] = s[i];
+    }
+}
+
+// Everything a conditional node needs after its body, in ONE kernel node:
+//   copy up to four dense loop carries (new value -> carry buffer), then one thread
+//   evaluates the predicate (on the new values, which the copies do not touch),
+//   counts the trip against max_iterations and sets the handle(s).
+// count: null, or the trip counter (reset != 0: set it to 0 -- the set before a WHILE node).
+// A predicate that holds while the counter has reached `limit` stops the loop and sets *exhausted.
+extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGraphConditionalHandle h_else,
+                                           int has_else, int op, int dtype, const void* a, const void* b,
+                                           long long ia, long long ib, double fa, double fb,
+                                           long long* count, long long limit, int reset, bool* exhausted,
+                                           int ncopy,
+                                           char* d0, const char* s0, unsigned long long b0,
+                                           char* d1, const char* s1, unsigned long long b1,
+                                           char* d2, const char* s2, unsigned long long b2,
+                                           char* d3, const char* s3, unsigned long long b3) {
+    unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;
+    if (ncopy > 0) by_copy(d0, s0, b0, tid, stride);
+    if (ncopy > 1) by_copy(d1, s1, b1, tid, stride);
+    if (ncopy > 2) by_copy(d2, s2, b2, tid, stride);
+    if (ncopy > 3) by_copy(d3, s3, b3, tid, stride);
+    if (tid != 0) return;
+    bool v = by_predicate(op, dtype, a, b, ia, ib, fa, fb);
+    if (count) {
+        long long c = reset ? 0 : *count + 1;
+        *count = c;
+        if (v && c >= limit) { *exhausted = true; v = false; }
+    }
+    cudaGraphSetConditional(h, v ? 1u : 0u);
+    if (has_else) cudaGraphSetConditional(h_else, v ? 0u : 1u);
+}
+
+extern "C" __global__ void branchyard_set_index(cudaGraphConditionalHandle h, const void* index, int dtype,
                                                 long long n) {
-    long long i = *index;
+    long long i = by_load_int(index, dtype);
     i = i < 0 ? 0 : (i >= n ? n - 1 : i);
     cudaGraphSetConditional(h, (unsigned int)i);
 }
 
 // Switch as a chain of IF nodes: handle k of this launch is set to (clamp(index) == base + k).
-extern "C" __global__ void branchyard_set_onehot(const long long* index, long long n, long long base, int count,
+extern "C" __global__ void branchyard_set_onehot(const void* index, int dtype, long long n, long long base, int count,
                                                  cudaGraphConditionalHandle h0, cudaGraphConditionalHandle h1,
                                                  cudaGraphConditionalHandle h2, cudaGraphConditionalHandle h3,
                                                  cudaGraphConditionalHandle h4, cudaGraphConditionalHandle h5,
                                                  cudaGraphConditionalHandle h6, cudaGraphConditionalHandle h7) {
     cudaGraphConditionalHandle h[8] = {h0, h1, h2, h3, h4, h5, h6, h7};
-    long long i = *index;
+    long long i = by_load_int(index, dtype);
     i = i < 0 ? 0 : (i >= n ? n - 1 : i);
     for (int k = 0; k < count; ++k) cudaGraphSetConditional(h[k], i == base + k ? 1u : 0u);
 }
 
-// Up to four dense byte copies in ONE kernel node: the loop-carry write-back costs one
-// node per trip instead of one memcpy node per carry.
-struct alignas(16) branchyard_v16 { unsigned long long a, b; };
+// Up to four dense byte copies in ONE kernel node (cond/switch outputs no op could write in place).
 extern "C" __global__ void branchyard_copy4(int count,
                                             char* d0, const char* s0, unsigned long long b0,
                                             char* d1, const char* s1, unsigned long long b1,
                                             char* d2, const char* s2, unsigned long long b2,
                                             char* d3, const char* s3, unsigned long long b3) {
-    char* d[4] = {d0, d1, d2, d3};
-    const char* s[4] = {s0, s1, s2, s3};
-    unsigned long long b[4] = {b0, b1, b2, b3};
     unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
     unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;
-    for (int k = 0; k < count; ++k) {
-        if ((((unsigned long long)d[k] | (unsigned long long)s[k] | b[k]) & 15ull) == 0) {
-            branchyard_v16* dv = (branchyard_v16*)d[k];
-            const branchyard_v16* sv = (const branchyard_v16*)s[k];
-            for (unsigned long long i = tid; i < b[k] / 16; i += stride) dv[i] = sv[i];
-        } else {
-            for (unsigned long long i = tid; i < b[k]; i += stride) d[k][i] = s[k][i];
-        }
-    }
+    if (count > 0) by_copy(d0, s0, b0, tid, stride);
+    if (count > 1) by_copy(d1, s1, b1, tid, stride);
+    if (count > 2) by_copy(d2, s2, b2, tid, stride);
+    if (count > 3) by_copy(d3, s3, b3, tid, stride);
 }
 """
 
 SET_KERNEL_NAMES = (
-    "branchyard_set_bool",
-    "branchyard_set_if_pair",
+    "branchyard_step",
     "branchyard_set_index",
     "branchyard_set_onehot",
     "branchyard_copy4",
@@ -220,6 +277,16 @@ def count_graph_nodes(graph: Any, bodies_of: dict[int, list[Any]]) -> GraphNodeC
     return count
 
 
+@dataclass(frozen=True)
+class TripCounter:
+    """A loop's trip counter for ``max_iterations``: ``count`` (int64, 0-d) and the 0-d bool
+    ``exhausted`` flag the step kernel sets when it stops a loop whose predicate still held."""
+
+    count: torch.Tensor
+    limit: int
+    exhausted: torch.Tensor
+
+
 class ConditionalBuilder:
     """Adds conditional nodes to whatever graph the current torch stream is capturing.
 
@@ -288,59 +355,107 @@ class ConditionalBuilder:
         graph, _, _ = self._capture_state(self._current_stream())
         return _check(self._driver.cuGraphConditionalHandleCreate(graph, self._ctx, 0, 0), "cuGraphConditionalHandleCreate")
 
-    def set_from_bool(self, handles: tuple[Any, ...], flag: torch.Tensor) -> None:
-        """Capture a set kernel: ``handles[0] = flag`` (and ``handles[1] = not flag`` for a pair)."""
-        self._check_scalar(flag, torch.bool)
-        if len(handles) == 1:
-            self._launch("branchyard_set_bool", (int(handles[0]), flag.data_ptr()), (ctypes.c_ulonglong, ctypes.c_void_p))
+    def set_predicate(
+        self,
+        handles: tuple[Any, ...],
+        pred: "torch.Tensor | Comparison",
+        *,
+        copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        counter: "TripCounter | None" = None,
+        reset: bool = False,
+    ) -> None:
+        """Capture ONE step kernel: ``dst.copy_(src)`` for ``copies``, then ``handles[0] = pred``
+        (and ``handles[1] = not pred`` for an IF pair).
+
+        ``pred`` is a 0-d bool tensor or a :class:`~.patterns.Comparison` the kernel
+        evaluates itself. With a ``counter`` the trip is counted (``reset``: set to 0,
+        the set before a WHILE node) and a predicate that holds at the limit stops the
+        loop and sets the counter's ``exhausted`` flag. Copies that are not dense and
+        same-layout, and all but the last four dense ones, go before it.
+        """
+        from branchyard.lowering.cuda_graph.patterns import COMPARE_CODES, DTYPE_CODES, Comparison
+
+        dense = self._copy_rest(list(copies), keep_last=4)
+        a = b = ia = ib = 0
+        fa = fb = 0.0
+        if isinstance(pred, Comparison):
+            op, dtype = COMPARE_CODES[pred.op], DTYPE_CODES[pred.dtype]
+            a = pred.lhs.data_ptr()
+            if isinstance(pred.rhs, torch.Tensor):
+                b = pred.rhs.data_ptr()
+            elif pred.dtype.is_floating_point:
+                fb = float(pred.rhs)
+            else:
+                ib = int(pred.rhs)
         else:
-            self._launch(
-                "branchyard_set_if_pair",
-                (int(handles[0]), int(handles[1]), flag.data_ptr()),
-                (ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_void_p),
-            )
-        self._keepalive.append(flag)
+            self._check_scalar(pred, torch.bool)
+            op, dtype, a = 0, 0, pred.data_ptr()
+        count_ptr, limit, exhausted = 0, 0, 0
+        if counter is not None:
+            count_ptr, limit, exhausted = counter.count.data_ptr(), counter.limit, counter.exhausted.data_ptr()
+        h_else = int(handles[1]) if len(handles) > 1 else 0
+        args = (int(handles[0]), h_else, int(len(handles) > 1), op, dtype, a, b, ia, ib, fa, fb,
+                count_ptr, limit, int(reset), exhausted, *self._copy_args(dense))
+        types = (ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                 ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_double, ctypes.c_double,
+                 ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p) + self._COPY_TYPES
+        self._launch("branchyard_step", args, types, grid=self._copy_blocks(dense), block=256 if dense else 1)
+        self._keepalive.append((pred, dense, counter))
 
     def set_from_index(self, handle: Any, index: torch.Tensor, n: int) -> None:
-        """Capture a set kernel: ``handle = clamp(index, 0, n - 1)``."""
-        self._check_scalar(index, torch.int64)
+        """Capture a set kernel: ``handle = clamp(index, 0, n - 1)`` (any integer dtype)."""
+        code = self._check_index(index)
         self._launch(
             "branchyard_set_index",
-            (int(handle), index.data_ptr(), n),
-            (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong),
+            (int(handle), index.data_ptr(), code, n),
+            (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong),
         )
         self._keepalive.append(index)
 
-    def set_onehot(self, handles: list[Any], index: torch.Tensor) -> None:
-        """Capture set kernels: ``handles[k] = (clamp(index, 0, n - 1) == k)`` (switch as n IF nodes)."""
-        self._check_scalar(index, torch.int64)
+    def set_onehot(self, handles: list[Any], index: torch.Tensor, per_kernel: int = 8) -> None:
+        """Capture set kernels: ``handles[k] = (clamp(index, 0, n - 1) == k)`` (switch as n IF nodes),
+        ``per_kernel`` (1..8) handles to a kernel."""
+        code = self._check_index(index)
         n = len(handles)
-        types = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int) + (ctypes.c_ulonglong,) * 8
-        for base in range(0, n, 8):
-            chunk = [int(h) for h in handles[base : base + 8]]
-            args = (index.data_ptr(), n, base, len(chunk), *chunk, *([0] * (8 - len(chunk))))
+        types = (ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int) + (ctypes.c_ulonglong,) * 8
+        for base in range(0, n, per_kernel):
+            chunk = [int(h) for h in handles[base : base + per_kernel]]
+            args = (index.data_ptr(), code, n, base, len(chunk), *chunk, *([0] * (8 - len(chunk))))
             self._launch("branchyard_set_onehot", args, types)
         self._keepalive.append(index)
 
+    _COPY_TYPES = (ctypes.c_int,) + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong) * 4
+
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every pair, dense same-layout pairs four to a kernel node."""
+        self._copy_rest(pairs, keep_last=0)
+
+    def _copy_rest(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], keep_last: int) -> list:
+        """Capture the copies of ``pairs`` except the last ``keep_last`` dense ones, which are returned."""
         dense, other = [], []
         for dst, src in pairs:
             same_layout = dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
             (dense if same_layout and dst.is_contiguous() and dst.is_cuda and src.is_cuda else other).append((dst, src))
         for dst, src in other:
             dst.copy_(src)
-        types = (ctypes.c_int,) + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong) * 4
-        for base in range(0, len(dense), 4):
-            chunk = dense[base : base + 4]
-            flat: list[int] = []
-            for dst, src in chunk:
-                flat += [dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()]
-            flat += [0, 0, 0] * (4 - len(chunk))
-            largest = max(dst.numel() * dst.element_size() for dst, _ in chunk)
-            blocks = max(1, min(1024, (largest // 16 + 255) // 256))
-            self._launch("branchyard_copy4", (len(chunk), *flat), types, grid=blocks, block=256)
+        split = len(dense) - min(keep_last, len(dense))
+        for base in range(0, split, 4):
+            chunk = dense[base : min(base + 4, split)]
+            self._launch("branchyard_copy4", self._copy_args(chunk), self._COPY_TYPES, grid=self._copy_blocks(chunk), block=256)
             self._keepalive.append(chunk)
+        return dense[split:]
+
+    @staticmethod
+    def _copy_args(chunk: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple:
+        flat: list[int] = [len(chunk)]
+        for dst, src in chunk:
+            flat += [dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()]
+        return (*flat, *([0, 0, 0] * (4 - len(chunk))))
+
+    @staticmethod
+    def _copy_blocks(chunk: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        largest = max((dst.numel() * dst.element_size() for dst, _ in chunk), default=0)
+        return max(1, min(1024, (largest // 16 + 255) // 256))  # one 16-byte vector per thread
 
     def add_node(self, kind: CondKind, handle: Any, size: int) -> list[Any]:
         """Append a conditional node after everything captured so far; return its body graphs."""
@@ -392,6 +507,18 @@ class ConditionalBuilder:
     def keep(self, value: Any) -> None:
         """Keep ``value`` (a tensor made inside a body) alive as long as the builder."""
         self._keepalive.append(value)
+
+    @staticmethod
+    def _check_index(t: torch.Tensor) -> int:
+        from branchyard.lowering.cuda_graph.patterns import DTYPE_CODES
+
+        code = DTYPE_CODES.get(t.dtype)
+        if code is None or t.dtype.is_floating_point or t.numel() != 1 or not t.is_cuda:
+            raise LoweringError(
+                f"set kernel needs a one-element integer CUDA tensor, got {t.dtype} of shape {tuple(t.shape)} on {t.device}",
+                where="switch index",
+            )
+        return code
 
     @staticmethod
     def _check_scalar(t: torch.Tensor, dtype: torch.dtype) -> None:

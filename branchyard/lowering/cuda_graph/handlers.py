@@ -7,14 +7,22 @@ ones while warming up) and how it is *captured* into a conditional node::
 
     while_loop(cond_fn, body_fn, carried, additional)
         evaluate: check carries and predicate; run cond_fn, body_fn, cond_fn once
-        capture:  set(h, cond_fn(*bufs)); WHILE(h) { bufs <- body_fn(*bufs) (one copy kernel); set(h, cond_fn(*bufs)) }
+        capture:  bufs <- carried; step(h, cond_fn(*bufs))
+                  WHILE(h) { new = body_fn(*bufs); step(h, cond_fn(*new), bufs <- new) }
+        run:      (eager fallback) a host loop, stopped after max_iterations trips
     cond(pred, true_fn, false_fn, operands)
         evaluate: check predicate; run both branches; branch outputs must agree
-        capture:  set(h, pred); IF/ELSE(h) { outs = true_fn(...) } { outs = false_fn(...) }
+        capture:  step(h, pred); IF/ELSE(h) { outs = true_fn(...) } { outs = false_fn(...) }
                   (or two IF nodes on drivers older than CUDA 12.8)
     switch(index, branches, operands)
         evaluate: check index; run every branch; branch outputs must agree
         capture:  set(h, clamp(index, 0, n - 1)); SWITCH(h) { outs = branches[0](...) } ... { branches[n-1] }
+
+``step`` is one kernel node: it copies the new loop carries into their buffers
+and sets the handle from the predicate, which it evaluates itself when the
+predicate is a 0-d comparison (:mod:`.patterns`) -- so a loop trip costs the
+body's kernels plus one node. Branch outputs are written in place by the op
+that makes them where it has an ``out=`` form, else copied by one kernel.
 
 Semantics, as Python, that the capture reproduces on the device::
 
@@ -198,23 +206,25 @@ def _aliases(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
 
 
 def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:
-    from branchyard.lowering.cuda_graph.conditional_nodes import CondKind
+    from branchyard.lowering.cuda_graph.conditional_nodes import CondKind, TripCounter
 
     ctx, b = interp.ctx, interp.ctx.builder
-    bufs = [c.clone() for c in carried]  # one static buffer per carry; never write the inputs
-    limit = ctx.max_iterations
-    count = torch.zeros((), dtype=torch.int64, device=ctx.device) if limit is not None else None
-    interp.keep(bufs, count)
+    # One static buffer per carry (never write the inputs), filled by one copy kernel.
+    bufs = [torch.empty_like(c) for c in carried]
+    b.copy_many(list(zip(bufs, carried)))
+    counter = None
+    if ctx.max_iterations is not None:
+        # The step kernel resets it before the loop, counts trips and flags ctx.exhausted.
+        counter = TripCounter(torch.empty((), dtype=torch.int64, device=ctx.device), ctx.max_iterations, ctx.exhausted)
+    interp.keep(bufs, counter)
 
-    def predicate() -> torch.Tensor:
-        p = interp.subgraph(cond_fn, (*bufs, *additional), "cond_fn")[0]
-        if count is not None:
-            p = torch.logical_and(p, count < limit)
+    def predicate(values: Sequence[torch.Tensor]) -> Any:
+        p = interp.subgraph(cond_fn, (*values, *additional), "cond_fn", defer_predicate=True)[0]
         interp.keep(p)
         return p
 
     handle = b.new_handle()
-    b.set_from_bool((handle,), predicate())
+    b.set_predicate((handle,), predicate(bufs), counter=counter, reset=True)
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
         outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn"))
@@ -225,15 +235,22 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
             if not unchanged[i] and _aliases(o, bufs):
                 outs[i] = o.clone()
         interp.keep(outs)
-        b.copy_many([(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same])
-        if count is not None:
-            count.add_(1)
-        b.set_from_bool((handle,), predicate())
-    if count is not None:
-        raw = interp.subgraph(cond_fn, (*bufs, *additional), "cond_fn")[0]
-        ctx.exhausted.logical_or_(torch.logical_and(raw, count >= limit))
-        interp.keep(raw)
+        # The predicate reads the new values, so the copies back can share its kernel node.
+        pred = predicate(outs)
+        copies = [(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same]
+        b.set_predicate((handle,), pred, counter=counter, copies=copies)
     return tuple(bufs)
+
+
+def _while_run(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:
+    limit, trips = interp.ctx.max_iterations, 0
+    while bool(interp.subgraph(cond_fn, (*carried, *additional), "cond_fn")[0]):
+        if limit is not None and trips >= limit:
+            interp.ctx.exhausted_eagerly = True
+            break
+        carried = interp.subgraph(body_fn, (*carried, *additional), "body_fn")
+        trips += 1
+    return tuple(carried)
 
 
 # --------------------------------------------------------------------------- cond
@@ -250,19 +267,30 @@ def _cond_evaluate(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, f
 
 
 def _fill(interp: "ControlFlowInterpreter", fn: Any, operands: tuple, outs: list[torch.Tensor], label: str) -> None:
-    results = interp.subgraph(fn, operands, label)
-    interp.ctx.builder.copy_many(list(zip(outs, results)))
+    """Run a branch so that its results land in ``outs``: in place where an op can, else copied."""
+    results = interp.subgraph(fn, operands, label, targets=outs)
+    interp.ctx.builder.copy_many([(o, r) for o, r in zip(outs, results) if not _same_view(o, r)])
+
+
+def _output_buffers(interp: "ControlFlowInterpreter", node: Any) -> list[torch.Tensor]:
+    """The buffers a cond/switch writes: the enclosing branch's own outputs where it returns them, else fresh."""
+    passed = interp.hop_targets.get(node, {})
+    outs = []
+    for i, m in enumerate(interp.ctx.out_meta[node]):
+        t = passed.get(i)
+        outs.append(t if t is not None and tuple(t.shape) == m.shape and t.dtype == m.dtype else m.empty(interp.ctx.device))
+    interp.keep(outs)
+    return outs
 
 
 def _cond_capture(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, false_fn, operands) -> tuple:
     from branchyard.lowering.cuda_graph.conditional_nodes import CondKind
 
     ctx, b = interp.ctx, interp.ctx.builder
-    outs = [m.empty(ctx.device) for m in ctx.out_meta[node]]
-    interp.keep(outs)
+    outs = _output_buffers(interp, node)
     if ctx.if_else_one_node:
         handle = b.new_handle()
-        b.set_from_bool((handle,), pred)
+        b.set_predicate((handle,), pred)
         then_body, else_body = b.add_node(CondKind.IF, handle, 2)
         with b.capture_into(then_body):
             _fill(interp, true_fn, operands, outs, "true_fn")
@@ -270,12 +298,16 @@ def _cond_capture(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, fa
             _fill(interp, false_fn, operands, outs, "false_fn")
     else:
         h_then, h_else = b.new_handle(), b.new_handle()
-        b.set_from_bool((h_then, h_else), pred)
+        b.set_predicate((h_then, h_else), pred)
         for handle, fn, label in ((h_then, true_fn, "true_fn"), (h_else, false_fn, "false_fn")):
             (body,) = b.add_node(CondKind.IF, handle, 1)
             with b.capture_into(body):
                 _fill(interp, fn, operands, outs, label)
     return tuple(outs)
+
+
+def _cond_run(interp: "ControlFlowInterpreter", node: Any, pred, true_fn, false_fn, operands) -> tuple:
+    return interp.subgraph(true_fn if bool(pred) else false_fn, operands, "true_fn" if bool(pred) else "false_fn")
 
 
 # --------------------------------------------------------------------------- switch
@@ -303,13 +335,14 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
         i = min(max(int(index), 0), n - 1) if isinstance(index, int) else 0
         return interp.subgraph(branches[i], operands, f"branch {i}")
     ctx, b = interp.ctx, interp.ctx.builder
-    outs = [m.empty(ctx.device) for m in ctx.out_meta[node]]
-    idx = index.reshape(()).to(torch.int64)
-    interp.keep(outs, idx)
+    outs = _output_buffers(interp, node)
+    idx = index.reshape(())  # the set kernels read any integer dtype: no conversion kernel
+    interp.keep(idx)
     if ctx.switch_as_ifs:
-        # How XLA lowers an n-way case: n IF nodes, each testing index == k (kept for comparison).
+        # How XLA lowers an n-way case: n IF nodes, each testing index == k (kept for comparison),
+        # their handles set by one kernel or, with if_chain_kernels="each", one kernel per IF node.
         handles = [b.new_handle() for _ in branches]
-        b.set_onehot(handles, idx)
+        b.set_onehot(handles, idx, per_kernel=1 if ctx.if_chain_kernels == "each" else 8)
         for k, (h, fn) in enumerate(zip(handles, branches)):
             (body,) = b.add_node(CondKind.IF, h, 1)
             with b.capture_into(body):
@@ -324,15 +357,22 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
     return tuple(outs)
 
 
+def _switch_run(interp: "ControlFlowInterpreter", node: Any, index, branches, operands) -> tuple:
+    i = int(index.reshape(()).item()) if isinstance(index, torch.Tensor) else int(index)
+    k = min(max(i, 0), len(branches) - 1)
+    return interp.subgraph(branches[k], operands, f"branch {k}")
+
+
 # --------------------------------------------------------------------------- the table
 @dataclass(frozen=True)
 class ControlFlowHandler:
-    """How one control-flow operator is unpacked, evaluated and captured."""
+    """How one control-flow operator is unpacked, evaluated, captured and run eagerly."""
 
     name: str
     unpack: Callable[[tuple, dict], tuple]
     evaluate: Callable[..., tuple]
     capture: Callable[..., tuple]
+    run: Callable[..., tuple]
     #: conditional nodes one execution adds: (kind, count); cond's count depends on the driver
     node_kind: str
 
@@ -340,9 +380,9 @@ class ControlFlowHandler:
 HANDLERS: dict[str, ControlFlowHandler] = {
     h.name: h
     for h in (
-        ControlFlowHandler("while_loop", _while_unpack, _while_evaluate, _while_capture, "WHILE"),
-        ControlFlowHandler("cond", _cond_unpack, _cond_evaluate, _cond_capture, "IF"),
-        ControlFlowHandler("switch", _switch_unpack, _switch_evaluate, _switch_capture, "SWITCH"),
+        ControlFlowHandler("while_loop", _while_unpack, _while_evaluate, _while_capture, _while_run, "WHILE"),
+        ControlFlowHandler("cond", _cond_unpack, _cond_evaluate, _cond_capture, _cond_run, "IF"),
+        ControlFlowHandler("switch", _switch_unpack, _switch_evaluate, _switch_capture, _switch_run, "SWITCH"),
     )
 }
 

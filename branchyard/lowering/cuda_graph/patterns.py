@@ -1,0 +1,194 @@
+"""Patterns the capture folds into fewer CUDA graph nodes, as tables (no GPU needed).
+
+Every node inside a loop body costs one node launch per trip, so the capture
+recognises two shapes of FX node and emits less for them:
+
+**Comparisons a set kernel evaluates itself.** A predicate ``a <op> b`` on 0-d
+operands (``lt le gt ge eq ne``; tensors of one dtype, or a tensor and a Python
+number) that only feeds a conditional node is not run as a torch kernel: the
+set kernel reads ``a`` and ``b`` and compares them itself::
+
+    before: p = lt(i, n); set(h, p)          after: set_cmp(h, "lt", &i, &n)
+
+**Outputs written in place.** An op whose result is a branch's output and that
+has an ``out=`` form writes straight into the conditional node's output buffer,
+so no copy node follows it::
+
+    before: t = add(u, b); copy(out, t)      after: add(u, b, out=out)
+
+:func:`match_comparison` and :func:`out_form` return ``None`` (and say why at
+debug level) when a node does not fit; the capture then runs it as torch would.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["COMPARE_CODES", "DTYPE_CODES", "COMPARISONS", "Comparison", "match_comparison", "out_form"]
+
+log = logging.getLogger("branchyard")
+aten = torch.ops.aten
+
+#: comparison name -> the set kernel's op code (0 is "read a bool flag").
+COMPARE_CODES: dict[str, int] = {"lt": 1, "le": 2, "gt": 3, "ge": 4, "eq": 5, "ne": 6}
+#: ``b <op> a`` written as ``a <mirror> b``, for a number on the left.
+_MIRROR = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+#: tensor dtype -> the set kernel's dtype code; the kernel compares integers as int64 (exact).
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.int64: 1,
+    torch.int32: 2,
+    torch.float32: 3,
+    torch.float64: 4,
+    torch.int16: 5,
+    torch.int8: 6,
+    torch.uint8: 7,
+}
+
+
+def _comparison_targets() -> dict[Any, str]:
+    table: dict[Any, str] = {}
+    for name in COMPARE_CODES:
+        table[getattr(operator, name)] = name  # symbolic_trace / Dynamo: operator.lt
+        table[getattr(torch, name)] = name  # torch.lt
+        packet = getattr(aten, name)  # export: aten.lt.Tensor / aten.lt.Scalar
+        table[packet.Tensor] = name
+        table[packet.Scalar] = name
+    return table
+
+
+#: FX ``call_function`` target -> comparison name.
+COMPARISONS: dict[Any, str] = _comparison_targets()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``lhs <op> rhs`` left for a set kernel: ``lhs`` a 0-d tensor, ``rhs`` one of its dtype or a number."""
+
+    op: str
+    lhs: torch.Tensor
+    rhs: torch.Tensor | int | float
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lhs.dtype
+
+    def evaluate(self) -> torch.Tensor:
+        """The 0-d bool tensor torch would compute (for callers that need a tensor after all)."""
+        return getattr(torch, self.op)(self.lhs, self.rhs)
+
+
+def _scalar_fits(value: int | float, dtype: torch.dtype) -> str | None:
+    """Why a Python number compared with a ``dtype`` tensor cannot be read as that dtype (None: it can)."""
+    if isinstance(value, bool):
+        return "a bool operand"
+    if dtype.is_floating_point:
+        return None  # torch compares in the tensor's float dtype: the kernel casts the same way
+    if isinstance(value, float):
+        return "an integer tensor against a float (torch promotes to the default float dtype)"
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        return f"the number {value} does not fit {dtype}"
+    return None
+
+
+def match_comparison(target: Any, args: tuple, kwargs: dict, *, require_cuda: bool = True) -> Comparison | None:
+    """A :class:`Comparison` if ``target(*args, **kwargs)`` is one a set kernel can evaluate exactly.
+
+        >>> import operator, torch
+        >>> i = torch.tensor(3)
+        >>> match_comparison(operator.lt, (i, 10), {}, require_cuda=False).op
+        'lt'
+        >>> match_comparison(operator.lt, (10, i), {}, require_cuda=False).op   # mirrored: i > 10
+        'gt'
+        >>> match_comparison(operator.lt, (i, 2.5), {}, require_cuda=False) is None   # torch promotes to float
+        True
+    """
+    op = COMPARISONS.get(target) if _hashable(target) else None
+    if op is None:
+        return None
+    why = _why_not(args, kwargs, require_cuda)
+    if why:
+        log.debug("comparison %s stays a torch kernel: %s", op, why)
+        return None
+    lhs, rhs = args
+    if not isinstance(lhs, torch.Tensor):
+        lhs, rhs, op = rhs, lhs, _MIRROR[op]
+    return Comparison(op, lhs, rhs)
+
+
+def _why_not(args: tuple, kwargs: dict, require_cuda: bool) -> str | None:
+    if kwargs or len(args) != 2:
+        return "not two positional operands"
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, torch.Tensor)]
+    if not tensors or len(tensors) + len(numbers) != 2:
+        return "operands are not a tensor and a tensor or number"
+    if any(t.dim() != 0 for t in tensors):
+        return "an operand is not 0-d"
+    if require_cuda and any(not t.is_cuda for t in tensors):
+        return "an operand is not on a CUDA device"
+    dtype = tensors[0].dtype
+    if dtype not in DTYPE_CODES:
+        return f"dtype {dtype} has no set-kernel code"
+    if len(tensors) == 2:
+        return None if tensors[1].dtype == dtype else f"mixed dtypes {dtype} and {tensors[1].dtype}"
+    return _scalar_fits(numbers[0], dtype)
+
+
+def _hashable(target: Any) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- out= forms
+#: Python operators and torch functions (symbolic_trace / Dynamo graphs) -> a torch function taking ``out=``.
+_TORCH_OUT_FORMS: dict[Any, Callable] = {
+    operator.add: torch.add,
+    operator.sub: torch.sub,
+    operator.mul: torch.mul,
+    operator.truediv: torch.div,
+    operator.neg: torch.neg,
+    **{f: f for f in (torch.add, torch.sub, torch.mul, torch.div, torch.lerp, torch.where, torch.clamp,
+                      torch.maximum, torch.minimum, torch.neg, torch.abs, torch.exp, torch.sigmoid,
+                      torch.tanh, torch.matmul, torch.mm, torch.addmm, torch.sin, torch.cos)},
+}
+_OUT_CACHE: dict[Any, Callable | None] = {}
+
+
+def out_form(target: Any, args: tuple) -> Callable | None:
+    """A callable ``f(*args, out=buffer, **kwargs)`` that computes ``target(*args)`` into ``buffer``, or None.
+
+    For an aten overload this is its ``.out`` sibling (same arguments plus one
+    ``out`` tensor); for Python operators and common torch functions, the
+    torch function. The first operand must be a tensor (``2 + x`` has no out form).
+    """
+    if not args or not isinstance(args[0], torch.Tensor) or not _hashable(target):
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        if target not in _OUT_CACHE:
+            _OUT_CACHE[target] = _aten_out_overload(target)
+        return _OUT_CACHE[target]
+    return _TORCH_OUT_FORMS.get(target)
+
+
+def _aten_out_overload(op: torch._ops.OpOverload) -> Callable | None:
+    schema = op._schema
+    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or schema.is_mutable:
+        return None  # views, in-place ops and multi-output ops keep their own semantics
+    want = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = op._overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        outs = [a for a in cand._schema.arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in cand._schema.arguments if not a.is_out]
+        if len(outs) == 1 and outs[0].name == "out" and rest == want:
+            return cand
+    return None

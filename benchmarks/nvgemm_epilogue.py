@@ -5,7 +5,8 @@ Usage (on the H200; ``source .device/env/activate.sh`` first, see docs/gpu.md)::
 
     # The full sweep (60 rows, about 6 minutes): rows are appended to the JSONL
     # file as they finish; --budget-s stops cleanly before the run's time limit
-    # and the same command run again resumes where it stopped.
+    # and the same command run again resumes where it stopped (rows recorded
+    # with other nvgemm source code are measured again).
     python benchmarks/nvgemm_epilogue.py --budget-s 540 --jsonl .cache/nvgemm_epilogue/rows.jsonl && cp .cache/nvgemm_epilogue/rows.jsonl $OUT/
 
     # Afterwards, anywhere (no GPU): table, targets, markdown and plot from one or more JSONL files.
@@ -503,6 +504,13 @@ def append_jsonl(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def code_version() -> str:
+    """The nvgemm package's source hash (what the kernel cache keys on too)."""
+    from branchyard.lowering.nvgemm.cutedsl_gemm import _source_digest
+
+    return _source_digest()
+
+
 def plan_rows(ms, nks, chains) -> list[tuple]:
     """Chain innermost: the chains of one shape share Inductor's GEMM autotuning."""
     return [(m, n, k, chain) for n, k in nks for m in ms for chain in chains]
@@ -523,13 +531,13 @@ def main(argv=None) -> int:
     p.add_argument("--compile-threads", type=int, default=None, help="Inductor compile threads (default: its own)")
     p.add_argument("--cutlass-plain", action="store_true",
                    help="offer the cutlass-operators plain GEMM to the op's autotuner (compiles per shape)")
-    p.add_argument("--prebuild-workers", type=int, default=min(8, os.cpu_count() or 1),
+    p.add_argument("--prebuild-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the CuTeDSL kernels up front (0: compile in the rows)")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a row that would end past this many seconds from the start")
     p.add_argument("--jsonl", default=str(DEFAULT_DIR / "rows.jsonl"),
-                   help="append each finished row here; rows already in it are skipped (resume)")
+                   help="append each finished row here; rows already in it (measured with the same nvgemm source) are skipped: resume")
     p.add_argument("--fresh", action="store_true", help="re-measure rows already in --jsonl")
     p.add_argument("--cache-dir", default=str(DEFAULT_DIR / "cache"),
                    help="our kernel cache and Inductor's/Triton's caches (kept for resumed runs)")
@@ -562,8 +570,14 @@ def main(argv=None) -> int:
     plan = plan_rows(ms, nks, args.chains or list(CHAINS))
     jsonl = Path(args.jsonl)
     _, done = read_jsonl(jsonl)
-    todo = [t for t in plan if args.fresh or (*t, args.dtype) not in done]
-    print(f"{len(plan)} rows planned, {len(plan) - len(todo)} already in {jsonl}, {len(todo)} to run", flush=True)
+    # Resume only rows measured with this very code (a warm machine keeps the file between runs).
+    source = code_version()
+    current = {key for key, r in done.items() if r.get("source") == source}
+    todo = [t for t in plan if args.fresh or (*t, args.dtype) not in current]
+    stale = sum(1 for t in plan if (*t, args.dtype) in done and (*t, args.dtype) not in current)
+    print(f"{len(plan)} rows planned, {len(plan) - len(todo)} already in {jsonl}, {len(todo)} to run"
+          + (f" ({stale} of them re-measured: recorded with other code)" if stale and not args.fresh else ""),
+          flush=True)
 
     env = versions()
     if args.inductor_mode != "off":
@@ -585,6 +599,7 @@ def main(argv=None) -> int:
             t0 = time.time()
             row = run_row(m, n, k, chain, dtype, args, db_dir)
             row["row_s"] = round(time.time() - t0, 1)
+            row["source"] = source
             spent[(first, m)] = max(spent.get((first, m), 0.0), row["row_s"])
             rows.append(row)
             append_jsonl(jsonl, {"kind": "row", "row": row})

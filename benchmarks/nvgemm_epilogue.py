@@ -223,7 +223,9 @@ def prebuild(plan: list[tuple], dtype, args) -> None:
         ops = [t if t.dim() == 1 else torch.empty(m, n, dtype=dtype, device="cuda") for t in ops]
         problem = at.Problem.of(a, w.t(), ops, spec)
         for cand in at._cutedsl_candidates(problem)[: args.max_configs]:
-            config = cand.build.keywords["config"]
+            config = getattr(cand.build, "keywords", {}).get("config")
+            if config is None:  # not a plain config candidate: its row compiles it
+                continue
             key = (str(problem.spec), config)
             jobs[key] = (str(problem.spec), str(dtype).removeprefix("torch."), config, problem.b_layout,
                          str(problem.spec.out_dtype).removeprefix("torch."),

@@ -28,7 +28,7 @@ Modules: :mod:`~branchyard.shapes.shape_var` (ShapeVar, derived dims),
 """
 
 from branchyard.shapes.decorator import dynamic_spec, get_spec
-from branchyard.shapes.entry_points import SpecCompiled, checked_module, compile, export, make_fx
+from branchyard.shapes.entry_points import ShapesFallbackWarning, SpecCompiled, checked_module, compile, export, make_fx
 from branchyard.shapes.shape_var import DimExpr, ShapeVar
 from branchyard.shapes.spec import ShapesSpec
 from branchyard.shapes.suggest import suggest
@@ -44,5 +44,6 @@ __all__ = [
     "compile",
     "make_fx",
     "SpecCompiled",
+    "ShapesFallbackWarning",
     "suggest",
 ]

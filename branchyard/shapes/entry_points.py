@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,14 +41,20 @@ import torch
 from branchyard.errors import ShapeSpecError
 from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
-from branchyard.shapes.graph_checks import insert_dim_checks, insert_runtime_asserts, shared_symbol_bindings
+from branchyard.shapes.graph_checks import (
+    drop_implied_range_checks,
+    insert_dim_checks,
+    insert_runtime_asserts,
+    shared_bindings_unavailable,
+    shared_symbol_bindings,
+)
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, compiles_through_wrapper, to_torch_spec
 from branchyard.shapes.shape_var import DimExpr
-from branchyard.shapes.spec import ScalarEntry, ShapesSpec
+from branchyard.shapes.spec import ScalarEntry, ShapesSpec, TensorEntry
 from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
 from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, signature_of
 
-__all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "resolve_spec"]
+__all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "ShapesFallbackWarning", "resolve_spec"]
 
 
 def resolve_spec(fn: Any, spec: ShapesSpec | dict | None) -> ShapesSpec:
@@ -66,6 +73,19 @@ def resolve_spec(fn: Any, spec: ShapesSpec | dict | None) -> ShapesSpec:
             where=getattr(fn, "__qualname__", type(fn).__name__),
         )
     return chosen if isinstance(chosen, ShapesSpec) else ShapesSpec(chosen)
+
+
+class ShapesFallbackWarning(UserWarning):
+    """branchyard.shapes fell back to torch's native behaviour (see the message)."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, ShapesFallbackWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
@@ -142,34 +162,127 @@ def export(
     hold one entry per ShapeVar.
     """
     spec = resolve_spec(fn, spec)
-    if export_kwargs.pop("strict", False):
-        raise ShapeSpecError(
-            "strict=True is not supported: Dynamo would re-fakify the inputs and split shared ShapeVars",
-            hint="use the default non-strict export, or torch.export.export(..., dynamic_shapes=spec.to_torch())",
-        )
+    strict = bool(export_kwargs.pop("strict", False))
     if "dynamic_shapes" in export_kwargs:
         raise ShapeSpecError("pass the shapes as spec=, not dynamic_shapes=")
     mod = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
     if isinstance(args, torch.Tensor):  # export(f, x): one example input, not a tuple of rows
         args = (args,)
     binding = bind(spec, mod, tuple(args), kwargs)
+    if strict:
+        _check_strict_supported(spec)
+    derived_tensor_dims = any(isinstance(leaf.entry, TensorEntry) and any(
+        isinstance(d, DimExpr) and not d.is_var for d in leaf.entry.dims) for leaf in binding.leaves)
+    reason = shared_bindings_unavailable() if derived_tensor_dims else None
+    if reason is not None:
+        _warn_once(
+            "export-bindings",
+            f"branchyard.shapes.export: {reason}; exporting with torch's native spec instead "
+            "(one symbol per occurrence of a var, tied by Eq asserts)",
+        )
+        return _export_native(fn, mod, spec, tuple(args), kwargs, strict, export_kwargs)
     inputs = make_symbolic_inputs(spec, binding, export=True)
     scalars = [leaf for leaf in binding.leaves if isinstance(leaf.entry, ScalarEntry) and isinstance(leaf.entry.dim, DimExpr)]
     if scalars:
         export_kwargs["dynamic_shapes"] = _scalar_spec(spec, binding, scalars, mod)
     with (
         _without_native_spec(fn),
-        tracing_with(inputs),
-        _checking_scalars(mod, spec, binding, inputs, scalars),
-        shared_symbol_bindings(),
+        # strict: Dynamo re-fakifies our fakes into a ShapeEnv of its own (same
+        # symbols and ranges); ours must not be the ambient one then
+        contextlib.nullcontext() if strict else tracing_with(inputs),
+        _checking_forward(mod, spec, binding, scalars, restate_divisors=strict),
+        shared_symbol_bindings() if derived_tensor_dims else contextlib.nullcontext(),
     ):
         try:
-            ep = torch.export.export(mod, inputs.args, inputs.kwargs, strict=False, **export_kwargs)
+            ep = torch.export.export(mod, inputs.args, inputs.kwargs, strict=strict, **export_kwargs)
         except Exception as err:
+            if strict and (find_data_dependent_error(err) is not None or "data-dependent" in str(err)):
+                # Dynamo reports its own symbols and no user frame: re-trace to name var and line
+                diagnosis = _diagnose_with_make_fx(fn, spec, tuple(args), kwargs)
+                if diagnosis is not None:
+                    raise diagnosis from err
             _raise_explained(err, inputs, spec)
             raise
+    if strict:
+        _check_strict_kept_symbols(ep, inputs)
     insert_dim_checks(ep.graph_module, inputs.var_of_symbol())
     # for checked_module(): the spec and the signature its keys name
+    ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
+    return ep
+
+
+def _check_strict_supported(spec: ShapesSpec) -> None:
+    """Strict export re-fakifies inputs in Dynamo; refuse what that would lose.
+
+    Measured on torch 2.14.1: Dynamo keeps a bare var's symbol (shared across
+    inputs) and ``a*var + b`` dims as expressions of it, but gives a product
+    of vars (``batch*heads``) a fresh symbol with no tie to the vars, and
+    drops the ``torch._check`` tying an int argument to its var -- both would
+    leave a declared relation unchecked.
+    """
+    for path, dim in spec.iter_dims():
+        if not isinstance(dim, DimExpr):
+            continue
+        if " dim " not in path:
+            raise ShapeSpecError(
+                f"strict=True cannot keep int argument {path!r} ({dim}) tied to its ShapeVar: "
+                "torch 2.14.1's strict export (Dynamo) drops that check",
+                where=path,
+                hint="use the default non-strict export, or make the int static",
+            )
+        if not dim.is_var and dim.linear_root() is None:
+            raise ShapeSpecError(
+                f"strict=True gives {dim} a symbol of its own, unrelated to {sorted(dim.vars)}: "
+                "torch 2.14.1's strict export (Dynamo) keeps only a*var + b dims as expressions",
+                where=path,
+                hint="use the default non-strict export",
+            )
+
+
+def _check_strict_kept_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs) -> None:
+    """After a strict export, every input size must still be built from the vars' symbols."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    ours = {str(s) for s in inputs.var_of_symbol()}
+    for node in ep.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if node.name not in ep.graph_signature.user_inputs or not isinstance(val, torch.Tensor):
+            continue
+        for i, d in enumerate(val.shape):
+            extra = {str(s) for s in free_unbacked_symbols(d)} - ours
+            if extra:
+                raise ShapeSpecError(
+                    f"strict export gave input {node.name} dim {i} a symbol of its own ({d}); "
+                    "its relation to the ShapeVars would go unchecked",
+                    hint="use the default non-strict export",
+                )
+
+
+def _diagnose_with_make_fx(fn: Any, spec: ShapesSpec, args: tuple, kwargs: dict | None) -> BaseException | None:
+    from branchyard.errors import DataDependentShapeError
+
+    try:
+        make_fx(fn, spec=None if get_spec(fn) is not None else spec)(*args, **(kwargs or {}))
+    except DataDependentShapeError as e:
+        return e
+    except Exception:  # the re-trace failed differently: report torch's own error
+        return None
+    return None
+
+
+def _export_native(
+    fn: Any, mod: torch.nn.Module, spec: ShapesSpec, args: tuple, kwargs: dict | None, strict: bool, export_kwargs: dict
+) -> torch.export.ExportedProgram:
+    """The fallback: torch's own ``ShapesSpec`` and the real example inputs.
+    torch allocates one symbol per occurrence and ties copies with ``Eq`` asserts."""
+    if not HAS_NATIVE_SPEC:
+        raise ShapeSpecError(
+            f"torch {torch.__version__} has neither the binding step branchyard.shapes replaces "
+            "nor torch.fx.experimental.dynamic_spec",
+            hint="declare derived dims as ShapeVars of their own",
+        )
+    with _without_native_spec(fn):
+        ep = torch.export.export(mod, args, kwargs, dynamic_shapes=to_torch_spec(spec, mod), strict=strict, **export_kwargs)
     ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
     return ep
 
@@ -241,39 +354,60 @@ def _scalar_spec(spec: ShapesSpec, binding: Binding, scalars: list[Leaf], mod: t
     return native.ShapesSpec(native.ParamsSpec(params))
 
 
+def _anchor_size(binding: Binding, name: str, arguments: dict[str, Any]) -> Any:
+    """The size that binds var ``name`` in ``arguments`` (a traced call's bound arguments):
+    the dim of its anchor tensor where it is bare, or its int argument."""
+    leaf = binding.anchor[name]
+    value = leaf.get(arguments)
+    if isinstance(leaf.entry, ScalarEntry):
+        return value
+    for i, d in enumerate(leaf.entry.dims):  # a loop, not next(genexpr): Dynamo traces this
+        if isinstance(d, DimExpr) and d.is_var and d.name == name:
+            return value.shape[i]
+    raise ShapeSpecError(f"ShapeVar {name!r} is not bare in its anchor {leaf.path}")
+
+
 @contextlib.contextmanager
-def _checking_scalars(
-    mod: torch.nn.Module, spec: ShapesSpec, binding: Binding, inputs: SymbolicInputs, scalars: list[Leaf]
+def _checking_forward(
+    mod: torch.nn.Module, spec: ShapesSpec, binding: Binding, scalars: list[Leaf], *, restate_divisors: bool
 ) -> Iterator[None]:
-    """While exporting, run ``forward`` behind a check that ties each int argument
-    to its var: ``torch._check(n == expr(vars))`` -- a runtime assert in the graph,
-    and a replacement the ShapeEnv uses while tracing."""
-    if not scalars:
+    """While exporting, run ``forward`` behind checks written with ``torch._check``:
+
+    * each int argument is tied to its var, ``torch._check(n == expr(vars))`` --
+      a runtime assert in the graph, and a replacement the ShapeEnv uses;
+    * with ``restate_divisors`` (strict export), each ``multiple_of`` is stated
+      again on the traced sizes: Dynamo re-fakifies our inputs into a ShapeEnv
+      of its own that keeps the symbols and ranges but not the divisibility facts.
+
+    The vars' values are read from the traced arguments, never closed over:
+    Dynamo cannot take a SymInt from outside the frame.
+    """
+    divisors = [n for n, v in spec.vars.items() if v.multiple_of > 1] if restate_divisors else []
+    if not scalars and not divisors:
         yield
         return
     original = mod.forward
     sig = inspect.signature(original)
 
-    def forward_checking_ints(*args: Any, **kwargs: Any) -> Any:
+    def forward_checking(*args: Any, **kwargs: Any) -> Any:
         arguments = sig.bind(*args, **kwargs)
         arguments.apply_defaults()
-        env: dict[str, Any] = dict(inputs.symbols)
-        for name, anchor in binding.anchor.items():
-            if name not in env:  # bound by an int argument: its traced value is the var
-                env[name] = anchor.get(arguments.arguments)
+        env = {name: _anchor_size(binding, name, arguments.arguments) for name in binding.anchor}
+        for name in divisors:
+            torch._check(env[name] % spec.vars[name].multiple_of == 0)
         for leaf in scalars:
             value = leaf.get(arguments.arguments)
             dim = leaf.entry.dim
             if dim.is_var and binding.anchor[dim.name] is leaf:
-                if dim.multiple_of > 1:
+                if dim.multiple_of > 1 and dim.name not in divisors:
                     torch._check(value % dim.multiple_of == 0)
                 continue
             torch._check(value == dim.evaluate(env))
         return original(*args, **kwargs)
 
-    forward_checking_ints.__signature__ = sig  # type: ignore[attr-defined]
+    forward_checking.__signature__ = sig  # type: ignore[attr-defined]
     had_instance_forward = "forward" in mod.__dict__
-    object.__setattr__(mod, "forward", forward_checking_ints)
+    object.__setattr__(mod, "forward", forward_checking)
     try:
         yield
     finally:
@@ -413,15 +547,80 @@ class SpecCompiled:
         return getattr(self.compiled, name)
 
     def _diagnose(self, args: tuple, kwargs: dict) -> BaseException | None:
-        from branchyard.errors import DataDependentShapeError
+        return _diagnose_with_make_fx(self.fn, self.spec, args, kwargs)
 
-        try:
-            make_fx(self.fn, spec=None if get_spec(self.fn) is not None else self.spec)(*args, **kwargs)
-        except DataDependentShapeError as e:
-            return e
-        except Exception:  # the re-trace failed differently: report torch's own error
-            return None
+
+class _OneRangeCheckPerVar:
+    """A ``torch.compile`` backend: drops the range checks Dynamo repeats for each
+    copy of a shared var (:func:`~branchyard.shapes.graph_checks.drop_implied_range_checks`),
+    then hands the graph to the backend the user asked for."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        # torch names the backend after this (repro scripts, logs)
+        self.__name__ = getattr(inner, "compiler_name", None) or getattr(inner, "__name__", type(inner).__name__)
+        self.dropped = 0  # range asserts removed so far, over all graphs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        self.dropped += drop_implied_range_checks(gm)
+        return self.inner(gm, example_inputs, **kwargs)
+
+    def reset(self) -> None:  # torch._dynamo.reset() resets backends that have it
+        if hasattr(self.inner, "reset"):
+            self.inner.reset()
+
+    def get_compiler_config(self) -> Any:
+        get = getattr(self.inner, "get_compiler_config", None)
+        return get() if get is not None else None
+
+
+#: The private classes torch.compile (2.14) builds its backend object with, and
+#: how they are called: (mode, options, dynamic, name) / (backend, mode, options, dynamic).
+TORCH_BACKEND_CLASSES = {"inductor": "_TorchCompileInductorWrapper", "other": "_TorchCompileWrapper"}
+
+
+def _torch_backend(backend: Any, mode: str | None, options: dict | None, name: str | None) -> Any:
+    """The backend object ``torch.compile`` itself builds from backend/mode/options,
+    or None (after a one-time warning) where this torch has no such classes or
+    they take other arguments."""
+    try:
+        if backend == "inductor":
+            return getattr(torch, TORCH_BACKEND_CLASSES["inductor"])(mode, options, None, name)
+        return getattr(torch, TORCH_BACKEND_CLASSES["other"])(backend, mode, options, None)
+    except (AttributeError, TypeError) as err:
+        _warn_once(
+            "compile-backend",
+            f"branchyard.shapes.compile cannot wrap the backend on torch {torch.__version__} ({err}); "
+            "shared vars keep Dynamo's range check per input",
+        )
         return None
+
+
+def _share_range_checks(compile_kwargs: dict[str, Any]) -> None:
+    """Route ``compile_kwargs``'s backend through :class:`_OneRangeCheckPerVar` (in place).
+
+    ``mode`` / ``options`` are consumed here, the way ``torch.compile`` would;
+    the two options ``torch.compile`` itself reads stay with it.
+    """
+    options = dict(compile_kwargs.get("options") or {})
+    if options.get("use_aoti"):
+        _warn_once("aoti", "branchyard.shapes.compile with use_aoti: shared vars keep Dynamo's range check per input")
+        return
+    backend = compile_kwargs.get("backend")
+    if backend is None:
+        try:
+            from torch._dynamo.backends.registry import get_default_backend
+
+            backend = get_default_backend()
+        except ImportError:
+            backend = "inductor"
+    torch_level = {k: options.pop(k) for k in ("guard_filter_fn",) if k in options}
+    inner = _torch_backend(backend, compile_kwargs.get("mode"), options or None, compile_kwargs.get("name"))
+    if inner is None:
+        return
+    compile_kwargs.pop("mode", None)
+    compile_kwargs["options"] = torch_level or None
+    compile_kwargs["backend"] = _OneRangeCheckPerVar(inner)
 
 
 def compile(
@@ -449,6 +648,7 @@ def compile(
     # The spec promises one graph for every size in range; a graph break would
     # hide a data-dependent branch on a declared dim instead of reporting it.
     compile_kwargs.setdefault("fullgraph", True)
+    _share_range_checks(compile_kwargs)
     attached_native = getattr(fn.forward if isinstance(fn, torch.nn.Module) else fn, NATIVE_SPEC_ATTR, None)
     if compiles_through_wrapper(fn):
         # Dynamo traces inner(*args, **kwargs): key the spec by position, and

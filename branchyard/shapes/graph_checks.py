@@ -80,21 +80,61 @@ def bind_placeholder_symbols(gm: torch.fx.GraphModule) -> None:
         )
 
 
+_BINDING_HOOK = ("torch.export._trace", "_add_input_unbacked_bindings")
+
+
+def shared_bindings_unavailable() -> str | None:
+    """Why :func:`shared_symbol_bindings` cannot work on this torch, or None if it can.
+
+    It replaces a private torch function (``torch.export._trace._add_input_unbacked_bindings``,
+    torch 2.14: ``(gm) -> None``, which insists each placeholder owns its symbols);
+    a missing function or a changed signature means our replacement would be
+    skipped or called wrongly.
+    """
+    import importlib
+    import inspect
+
+    module_name, name = _BINDING_HOOK
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return f"{module_name} cannot be imported ({err})"
+    original = getattr(module, name, None)
+    if original is None:
+        return f"{module_name}.{name} is missing in torch {torch.__version__}"
+    try:
+        params = list(inspect.signature(original).parameters.values())
+    except (TypeError, ValueError):
+        return f"{module_name}.{name} has no readable signature"
+    if [p.name for p in params] != ["gm"]:
+        return f"{module_name}.{name} takes ({', '.join(p.name for p in params)}), not (gm)"
+    return None
+
+
 @contextlib.contextmanager
 def shared_symbol_bindings() -> Iterator[None]:
-    """Let torch.export bind our shared symbols (it assumes one owner per placeholder)."""
-    import torch.export._trace as trace_module
+    """Let torch.export bind symbols that several placeholders share.
 
-    name = "_add_input_unbacked_bindings"
-    original = getattr(trace_module, name, None)
-    if original is None:  # older torch binds inputs differently
-        yield
-        return
-    setattr(trace_module, name, bind_placeholder_symbols)
+    torch.export asserts that every unbacked symbol in a placeholder's sizes is
+    bound *by that placeholder*; ``y: (2*u0, 4)`` binds nothing, so it refuses.
+    For the duration, its private binding step is replaced by
+    :func:`bind_placeholder_symbols`. Callers check
+    :func:`shared_bindings_unavailable` first; it is needed only when some
+    tensor dim is a derived expression (bare shared vars pass torch's check).
+    """
+    import importlib
+
+    reason = shared_bindings_unavailable()
+    if reason is not None:
+        raise ShapeSpecError(f"cannot share symbols between placeholders: {reason}")
+    module_name, name = _BINDING_HOOK
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    setattr(module, name, bind_placeholder_symbols)
     try:
         yield
     finally:
-        setattr(trace_module, name, original)
+        setattr(module, name, original)
 
 
 def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -> int:
@@ -191,3 +231,157 @@ def insert_runtime_asserts(gm: torch.fx.GraphModule, shape_env: Any, var_of_symb
     insert_deferred_runtime_asserts(gm, shape_env, "branchyard.shapes")
     insert_dim_checks(gm, var_of_symbol)
     gm.recompile()
+
+
+# -- torch.compile: one set of range checks per var ----------------------------------------
+
+# FX comparison targets -> sympy relations, for reading an assert's condition
+_RELATIONS: dict[Any, Any] = {}
+
+
+def _relations() -> dict[Any, Any]:
+    import operator
+
+    import sympy
+
+    if not _RELATIONS:
+        _RELATIONS.update({operator.ge: sympy.Ge, operator.gt: sympy.Gt, operator.le: sympy.Le, operator.lt: sympy.Lt, operator.eq: sympy.Eq})
+    return _RELATIONS
+
+
+def _raw_expr(arg: Any) -> Any:
+    """The sympy expression an FX argument stands for, *before* ShapeEnv replacements
+    (``u1``, not the ``u0`` it was tied to), or None if it is not a size."""
+    import sympy
+
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return sympy.Integer(arg)
+    if not isinstance(arg, torch.fx.Node):
+        return None
+    val = arg.meta.get("example_value", arg.meta.get("val"))
+    if not isinstance(val, torch.SymInt):
+        return None
+    node = val.node
+    return getattr(node, "_expr", node.expr)
+
+
+def _condition(assert_node: torch.fx.Node) -> Any:
+    """The relation an ``_assert_scalar`` checks, over raw symbols; None if unreadable."""
+    cond = assert_node.args[0] if assert_node.args else None
+    if not isinstance(cond, torch.fx.Node) or cond.op != "call_function":
+        return None
+    rel = _relations().get(cond.target)
+    if rel is None or len(cond.args) != 2:
+        return None
+    lhs, rhs = (_raw_expr(a) for a in cond.args)
+    if lhs is None or rhs is None:
+        return None
+    return rel(lhs, rhs, evaluate=False)
+
+
+def _as_bound(relation: Any) -> tuple[Any, str, Any] | None:
+    """``u1 >= 2`` -> (u1, "lower", 2); ``u1 < 9`` -> (u1, "upper", 8); else None."""
+    import sympy
+
+    lhs, rhs = relation.lhs, relation.rhs
+    flipped = {sympy.Ge: sympy.Le, sympy.Gt: sympy.Lt, sympy.Le: sympy.Ge, sympy.Lt: sympy.Gt}
+    kind = type(relation)
+    if isinstance(rhs, sympy.Symbol) and isinstance(lhs, sympy.Integer):
+        lhs, rhs, kind = rhs, lhs, flipped.get(kind)
+    if not (isinstance(lhs, sympy.Symbol) and isinstance(rhs, sympy.Integer)):
+        return None
+    c = int(rhs)
+    table = {sympy.Ge: ("lower", c), sympy.Gt: ("lower", c + 1), sympy.Le: ("upper", c), sympy.Lt: ("upper", c - 1)}
+    if kind not in table:
+        return None
+    side, value = table[kind]
+    return lhs, side, value
+
+
+def _symbol_order(sym: Any) -> tuple[int, str]:
+    # u12 -> 12: Dynamo numbers unbacked symbols in allocation order, and the
+    # first occurrence of a var is allocated first; later ones are the copies
+    digits = str(sym).lstrip("abcdefghijklmnopqrstuvwxyz_")
+    return (int(digits) if digits.isdigit() else -1, str(sym))
+
+
+def drop_implied_range_checks(gm: torch.fx.GraphModule) -> int:
+    """Remove range asserts that the graph's own equality asserts already imply.
+
+    torch.compile (Dynamo) gives every occurrence of a var its own unbacked
+    symbol and ties the copies to the first with an ``Eq`` runtime assert
+    (``Eq(u1, u0)``, ``Eq(u2, 2*u0)``); the ShapeEnv then replaces the copies
+    by the first, so the compiler reasons with one symbol -- but the graph
+    still checks each copy's range. Those checks are implied: ``u1 == u0``
+    and ``2 <= u0 <= 128`` give ``2 <= u1 <= 128``. Before::
+
+        u0 >= 2; u0 <= 128; u1 >= 2; u1 <= 128; Eq(u1, u0); u2 >= 2; u2 <= 128; Eq(u2, u0)
+
+    After (one set of range checks, one equality per extra input)::
+
+        u0 >= 2; u0 <= 128; Eq(u1, u0); Eq(u2, u0)
+
+    A bound is dropped only when an equality solved for its symbol gives an
+    expression whose range, from bounds still asserted in the graph, lies
+    inside it; each drop leans only on checks that stay, so nothing the graph
+    checked before goes unchecked. Returns the number of asserts removed.
+    """
+    import sympy
+    from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
+
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._assert_scalar.default]
+    bounds: dict[Any, list[tuple[str, int, torch.fx.Node]]] = {}
+    equalities: list[Any] = []
+    for node in asserts:
+        rel = _condition(node)
+        if rel is None:
+            continue
+        if isinstance(rel, sympy.Eq):
+            equalities.append(rel)
+            continue
+        bound = _as_bound(rel)
+        if bound is not None:
+            sym, side, value = bound
+            bounds.setdefault(sym, []).append((side, value, node))
+
+    def asserted_range(sym: Any) -> ValueRanges:
+        lo = max((v for side, v, _ in bounds.get(sym, []) if side == "lower"), default=-sympy.oo)
+        hi = min((v for side, v, _ in bounds.get(sym, []) if side == "upper"), default=sympy.oo)
+        return ValueRanges(lo, hi)
+
+    removed: list[torch.fx.Node] = []
+    for sym in sorted(bounds, key=_symbol_order, reverse=True):
+        for eq in equalities:
+            if sym not in eq.free_symbols:
+                continue
+            try:
+                solutions = sympy.solve(eq.lhs - eq.rhs, sym)
+            except (NotImplementedError, TypeError):
+                continue
+            if len(solutions) != 1 or sym in solutions[0].free_symbols:
+                continue
+            expr = solutions[0]
+            implied = bound_sympy(expr, {t: asserted_range(t) for t in expr.free_symbols})
+            keep = []
+            for side, value, node in bounds[sym]:
+                if (side == "lower" and implied.lower >= value) or (side == "upper" and implied.upper <= value):
+                    removed.append(node)
+                else:
+                    keep.append((side, value, node))
+            bounds[sym] = keep
+            if not keep:
+                break
+    for node in removed:
+        _erase_with_inputs(gm.graph, node)
+    if removed:
+        gm.recompile()
+    return len(removed)
+
+
+def _erase_with_inputs(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Erase ``node``, then any pure computation that only it used (its condition, sizes)."""
+    inputs = [a for a in node.all_input_nodes if a.op == "call_function"]
+    graph.erase_node(node)
+    for a in inputs:
+        if not a.users and a.target is not torch.ops.aten._assert_scalar.default and not a.is_impure():
+            _erase_with_inputs(graph, a)

@@ -256,11 +256,18 @@ def _walk(expr: sympy.Expr, env: Mapping[str, Any]) -> Any:
         return int(expr)
     if isinstance(expr, sympy.Symbol):
         return env[expr.name]
-    if isinstance(expr, sympy.Add):
-        return sum((_walk(a, env) for a in expr.args[1:]), _walk(expr.args[0], env))
-    if isinstance(expr, sympy.Mul):
-        return math.prod((_walk(a, env) for a in expr.args[1:]), start=_walk(expr.args[0], env))
+    # loops rather than sum()/math.prod() over generators: strict export runs
+    # this inside Dynamo, which cannot trace a generator fed to a builtin
+    if isinstance(expr, (sympy.Add, sympy.Mul)):
+        add = isinstance(expr, sympy.Add)
+        out = _walk(expr.args[0], env)
+        for a in expr.args[1:]:
+            out = out + _walk(a, env) if add else out * _walk(a, env)
+        return out
     if isinstance(expr, sympy.Pow) and isinstance(expr.exp, sympy.Integer) and expr.exp > 0:
         base = _walk(expr.base, env)
-        return math.prod([base] * int(expr.exp))
+        out = base
+        for _ in range(int(expr.exp) - 1):
+            out = out * base
+        return out
     raise ShapeSpecError(f"unsupported dim expression {expr} (only +, - and * of ShapeVars and ints)")

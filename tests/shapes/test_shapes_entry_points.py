@@ -20,12 +20,13 @@ ASSERT = torch.ops.aten._assert_scalar.default
 
 
 def input_symbols(gm: torch.fx.GraphModule, names: list[str] | None = None) -> set:
-    """Unbacked symbols in the sizes of the graph's (user) inputs."""
+    """Unbacked symbols in the sizes of the graph's (user) inputs, as the compiler
+    sees them (after the ShapeEnv's replacements)."""
     out: set = set()
     for node in gm.graph.find_nodes(op="placeholder"):
         if names is not None and node.name not in names:
             continue
-        val = node.meta.get("val")
+        val = node.meta.get("val", node.meta.get("example_value"))  # export/make_fx, Dynamo
         if isinstance(val, torch.Tensor):
             for d in val.shape:
                 out |= free_unbacked_symbols(d)
@@ -459,20 +460,154 @@ def test_round_tripped_spec_drives_every_entry_point_the_same(round_trip):
     assert counter.frame_count == 1
 
 
-def test_under_compile_dynamo_ties_per_input_symbols_to_one_by_replacement():
-    """torch.compile fakifies inputs itself: one symbol per input, but the
-    ShapeEnv replaces them by the first, so the compiler reasons with one."""
-    seen = {}
+class DynamoGraphs:
+    """A counting backend that keeps each Dynamo graph as the backend receives it,
+    with the per-input symbols Dynamo allocated (before ShapeEnv replacements)."""
 
-    def backend(gm, example_inputs):
-        shape_env = torch._guards.TracingContext.get().fake_mode.shape_env
-        seen["replacements"] = {str(k): str(v) for k, v in shape_env.replacements.items()}
-        seen["asserts"] = n_asserts(gm)
+    def __init__(self):
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.raw_symbols: list[set] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        raw = set()
+        for node in gm.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("example_value")
+            for d in getattr(val, "shape", ()):
+                if isinstance(d, torch.SymInt):
+                    raw |= free_unbacked_symbols(d.node._expr)
+        self.raw_symbols.append(raw)
         return gm
 
-    shapes.compile(add3, spec=SHARED, backend=backend)(*ARGS3)
-    assert seen["replacements"] == {"u1": "u0", "u2": "u0"}
-    assert seen["asserts"] == 8  # the Dynamo graph still checks each input's range (torch's behaviour)
+    def constrain_range_nodes(self, i=0) -> int:
+        return sum(1 for n in self.graphs[i].graph.nodes if "constrain_range" in str(n.target))
+
+
+def run_graph(gm: torch.fx.GraphModule, **inputs):
+    """Call a Dynamo graph with the user's inputs by name; the symbols Dynamo
+    lifted to inputs (``u0``) are read from the first input whose size is that symbol."""
+    args = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta["example_value"]
+        name = node.target[2:-1] if node.target.startswith("L_") else node.target  # L_x_ -> x
+        if name in inputs:
+            args.append(inputs[name])
+            continue
+        assert isinstance(val, torch.SymInt), node.target
+        args.append(next(
+            int(inputs[p.target[2:-1]].shape[i])
+            for p in gm.graph.find_nodes(op="placeholder")
+            if p.target.startswith("L_") and isinstance(p.meta["example_value"], torch.Tensor)
+            for i, d in enumerate(p.meta["example_value"].shape)
+            if isinstance(d, torch.SymInt) and d.node._expr == val.node._expr
+        ))
+    return gm(*args)
+
+
+def test_shared_var_is_one_symbol_with_one_set_of_range_checks_under_compile():
+    """Dynamo allocates a symbol per input (u0, u1, u2) and ties the copies with
+    Eq asserts, which make the ShapeEnv replace them by u0; shapes.compile drops
+    the range checks Dynamo repeats for u1 and u2, implied by the Eq asserts."""
+    graphs = DynamoGraphs()
+    compiled = shapes.compile(add3, spec=SHARED, backend=graphs, validate=False)
+    for n in range(2, 129, 6):  # 22 sizes in range: one frame
+        a = (torch.randn(n, 4), torch.randn(n, 4), torch.randn(n, 4))
+        torch.testing.assert_close(compiled(*a), add3(*a))
+    (gm,) = graphs.graphs
+    assert len(input_symbols(gm)) == 1
+    assert len(graphs.raw_symbols[0]) == 3  # Dynamo's own allocation, replaced by the first
+    assert graphs.constrain_range_nodes() == 0
+    # 2 range checks for the var + one equality per extra input, as in export and make_fx
+    assert n_asserts(gm) == 4
+    msgs = assert_messages(gm)
+    assert sum("Eq(" in m for m in msgs) == 2 and sum(">= 2" in m or "<= 128" in m for m in msgs) == 2
+    # what was dropped is still checked, through the equality, in the graph itself
+    # (called directly: Dynamo's guards would stop a bad call before the graph)
+    with pytest.raises(RuntimeError, match=r"Eq\(u\d, u0\)"):
+        run_graph(gm, x=torch.ones(4, 4), y=torch.ones(4, 4), z=torch.ones(5, 4))
+    with pytest.raises(RuntimeError, match=r"Eq\(u\d, u0\)"):
+        run_graph(gm, x=torch.ones(200, 4), y=torch.ones(4, 4), z=torch.ones(4, 4))
+    with pytest.raises(RuntimeError, match="u0 <= 128"):
+        run_graph(gm, x=torch.ones(200, 4), y=torch.ones(200, 4), z=torch.ones(200, 4))
+    torch.testing.assert_close(run_graph(gm, x=torch.ones(7, 4), y=torch.ones(7, 4), z=torch.ones(7, 4))[0], torch.full((7, 4), 2.0))
+
+
+def test_derived_dims_under_compile_keep_only_unimplied_range_checks():
+    graphs = DynamoGraphs()
+    compiled = shapes.compile(derived_fn, spec=DERIVED, backend=graphs, validate=False)
+    a = derived_args()
+    check_outputs(compiled(*a), a)
+    (gm,) = graphs.graphs
+    # batch, heads, seq, and the int n (tied to seq by Eq(n + 1, seq), as in export)
+    assert len(input_symbols(gm)) == 4
+    msgs = assert_messages(gm)
+    # ranges of batch, heads, seq (2 each); Mod(seq, 8); Eq for y, w and n. Dynamo's
+    # graph also checked y's, w's and n's own ranges (16 asserts): implied, dropped
+    assert n_asserts(gm) == 10
+    assert sum("Eq(" in m and "Mod" not in m for m in msgs) == 3
+    x, y, w, s_, n = derived_args(5, 2, 24)
+    torch.testing.assert_close(run_graph(gm, x=x, y=y, w=w, s=s_, n=n)[1], w.sum(0))
+    with pytest.raises(RuntimeError, match=r"Eq\(u\d+, 2\*u0\)"):
+        run_graph(gm, x=x, y=torch.randn(11, 4), w=w, s=s_, n=n)
+    with pytest.raises(RuntimeError, match=r"Eq\(u\d+, u0\*u\d+\)"):
+        run_graph(gm, x=x, y=y, w=torch.randn(11, 2), s=s_, n=n)
+    with pytest.raises(RuntimeError, match=r"Eq\(u\d+ \+ 1, u\d+\)"):
+        run_graph(gm, x=x, y=y, w=w, s=s_, n=22)
+
+
+def test_dropping_range_checks_is_a_no_op_without_equalities():
+    """make_fx graphs already have one symbol per var: nothing to drop."""
+    from branchyard.shapes.graph_checks import drop_implied_range_checks
+
+    gm = shapes.make_fx(forward)(torch.randn(4, 768))
+    before = n_asserts(gm)
+    assert drop_implied_range_checks(gm) == 0 and n_asserts(gm) == before == 2
+
+
+def test_torchs_own_compile_of_a_decorated_function_keeps_dynamos_checks():
+    """torch.compile(decorated) is torch's entry point: the decorator hands it the
+    spec but cannot reach the backend, so the Dynamo graph is torch's own -- one
+    symbol per input tied by Eq, and each input's range checked (8 asserts)."""
+
+    @dynamic_spec({"x": (batch, 4), "y": (batch, 4), "z": (batch, 4)})
+    def add3_decorated(x, y, z):
+        return x + y * z
+
+    graphs = DynamoGraphs()
+    compiled = torch.compile(add3_decorated, backend=graphs, fullgraph=True)
+    for n in (2, 9, 128):
+        compiled(torch.ones(n, 4), torch.ones(n, 4), torch.ones(n, 4))
+    (gm,) = graphs.graphs
+    assert len(input_symbols(gm)) == 1 and len(graphs.raw_symbols[0]) == 3
+    assert n_asserts(gm) == 8
+
+
+def test_compile_keeps_the_users_backend_mode_and_options():
+    """The backend, mode and options reach the backend torch.compile would build."""
+    compiled = shapes.compile(add3, spec=SHARED, backend="inductor", mode="default")
+    for n in (3, 17):
+        a = (torch.randn(n, 4), torch.randn(n, 4), torch.randn(n, 4))
+        torch.testing.assert_close(compiled(*a), add3(*a))
+    with pytest.raises(Exception, match="Unexpected optimization option"):
+        shapes.compile(add3, spec=SHARED, backend="inductor", options={"no_such_option": 1})(*ARGS3)
+
+
+def test_compile_without_torchs_backend_wrappers_warns_once_and_keeps_dynamos_checks(monkeypatch):
+    import branchyard.shapes.entry_points as entry_points
+
+    monkeypatch.setattr(entry_points, "_warned", set())
+    # as on a torch without the class (torch.compile itself still needs the real one)
+    monkeypatch.setitem(entry_points.TORCH_BACKEND_CLASSES, "other", "_NoSuchCompileWrapper")
+    graphs = DynamoGraphs()
+    with pytest.warns(shapes.ShapesFallbackWarning, match="cannot wrap the backend"):
+        compiled = shapes.compile(add3, spec=SHARED, backend=graphs)
+    compiled(*ARGS3)
+    assert n_asserts(graphs.graphs[0]) == 8  # torch's behaviour, still correct
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shapes.compile(add3, spec=SHARED, backend=graphs)  # once only
 
 
 def test_torch_nn_transformer_layer_in_all_entry_points():

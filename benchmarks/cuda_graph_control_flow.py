@@ -129,13 +129,18 @@ def bench_while(results: dict) -> list[str]:
         t_host = time_median_ms(lambda: host_loop(x, c, n), calls=calls)
         got, want = ours(x, c, n), eager(x, c, n)
         equal = all(torch.equal(a, b) for a, b in zip(got, want))
-        refs = {body: ReferenceLoop(x.clone(), c, n, body) for body in ("same", "torch", "minimal")}
-        for body, r in refs.items():  # one launch from x must give eager's result (NVRTC may contract to FMA)
-            r.launch()
-            torch.cuda.synchronize()
-            if not torch.allclose(r.x, want[1], rtol=1e-5, atol=1e-6):
-                raise RuntimeError(f"hand-built '{body}' graph disagrees with eager at {trips} trips")
-        t_ref = {body: r.time_ms(reps) for body, r in refs.items()}
+        t_ref, refs = {}, {}
+        for body in ("same", "torch", "minimal"):
+            try:
+                r = ReferenceLoop(x.clone(), c, n, body)
+                r.launch()  # one launch from x must give eager's result (NVRTC may contract to FMA)
+                torch.cuda.synchronize()
+                if not torch.allclose(r.x, want[1], rtol=1e-5, atol=1e-6):
+                    raise RuntimeError(f"hand-built '{body}' graph disagrees with eager at {trips} trips")
+                refs[body], t_ref[body] = r, r.time_ms(reps)
+            except Exception as exc:  # keep the other columns
+                print(f"reference '{body}' failed: {type(exc).__name__}: {exc}", flush=True)
+                t_ref[body] = float("nan")
         per = lambda t: t * 1e3 / trips  # noqa: E731
         results.setdefault("while", []).append(
             dict(trips=trips, eager=per(t_eager), host=per(t_host), ours=per(t_ours), ours_slope=(t_ours - zero) * 1e3 / trips,

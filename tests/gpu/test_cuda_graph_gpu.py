@@ -9,6 +9,7 @@ errors (torch.cuda.set_sync_debug_mode("error")) during replay.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 
 import pytest
@@ -109,6 +110,8 @@ def test_while_loop_trip_counts_change_without_recapture():
     m = lower(ep, (x, c, scalar(10)))
     assert m.conditional_nodes == {"IF": 0, "WHILE": 1, "SWITCH": 0}
     assert m.graph_nodes is not None and m.graph_nodes.by_type.get("CONDITIONAL") == 1
+    # a trip is i + 1, lerp, and ONE step kernel (copy both carries back, i < n, set the handle)
+    assert m.graph_nodes.bodies[0].by_type == {"KERNEL": 3}, m.graph_nodes.summary()
     ref = ep.module()
     check(m, ref, [(x, c, scalar(n)) for n in (10, 0, 1, 1000, 3)])
 
@@ -124,6 +127,10 @@ def test_cond_inside_while_one_node_and_two_nodes_agree():
     one_body, two_body = one.graph_nodes.bodies[0], two.graph_nodes.bodies[0]
     assert one_body.by_type["CONDITIONAL"] == 1 and two_body.by_type["CONDITIONAL"] == 2
     assert len(one_body.bodies) == len(two_body.bodies) == 2
+    # loop body: i + 1, sum, set (compares sum > 0 itself), IF, step; each branch: mul and add/sub
+    # writing the IF's output buffer in place (no copy node)
+    assert one_body.by_type == {"KERNEL": 4, "CONDITIONAL": 1}, one.graph_nodes.summary()
+    assert all(b.by_type == {"KERNEL": 2} for b in one_body.bodies), one.graph_nodes.summary()
     check(one, ep.module(), cases)
     check(two, ep.module(), cases)
 
@@ -163,6 +170,9 @@ def _switch_loop(branches):
     return while_loop_module(lambda i, x, ks: i < ks.shape[0], trace(Body()), num_carried=2, num_additional=1)
 
 
+EVERY_INDEX = [0, 1, 2, 3, 4, 5, 6, 7, -1, 8, 99, -99]  # every branch, then clamped from both sides
+
+
 def test_switch_inside_while_clamps_out_of_range_indices_on_the_device():
     branches = [(lambda k: lambda x: x * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
     program = _switch_loop(branches)
@@ -170,18 +180,123 @@ def test_switch_inside_while_clamps_out_of_range_indices_on_the_device():
     x = torch.randn(1 << 16, device=DEV)
     m = lower(program, (scalar(0), x, ks))
     assert m.conditional_nodes == {"IF": 0, "WHILE": 1, "SWITCH": 1}
+    # a step: i + 1, index_select, set_index (clamps), SWITCH, step; a branch: mul, add into the output
+    body = m.graph_nodes.bodies[0]
+    assert body.by_type == {"KERNEL": 4, "CONDITIONAL": 1}, m.graph_nodes.summary()
+    assert len(body.bodies) == 8 and all(b.by_type == {"KERNEL": 2} for b in body.bodies), m.graph_nodes.summary()
     chain = lower(program, (scalar(0), x, ks), switch="if_chain")
     assert chain.conditional_nodes == {"IF": 8, "WHILE": 1, "SWITCH": 0}
-    for ks_new in (ks, torch.randint(-20, 30, (100,), device=DEV), torch.full((100,), 99, device=DEV)):
+    assert chain.graph_nodes.bodies[0].by_type == {"KERNEL": 4, "CONDITIONAL": 8}, chain.graph_nodes.summary()
+    each = lower(program, (scalar(0), x, ks), switch="if_chain_each")
+    assert each.graph_nodes.bodies[0].by_type == {"KERNEL": 11, "CONDITIONAL": 8}, each.graph_nodes.summary()
+    cases = [
+        ks,
+        torch.tensor(EVERY_INDEX * 8 + EVERY_INDEX[:4], device=DEV),
+        torch.randint(-20, 30, (100,), device=DEV),
+        torch.full((100,), 99, device=DEV),
+    ]
+    for ks_new in cases:
         ref = x.clone()
         for k in ks_new.clamp(0, 7).tolist():
             ref = branches[k](ref)
         zero = scalar(0)  # made before the no-sync block: a host->device copy counts as a sync
-        for lowered in (m, chain):
+        for lowered in (m, chain, each):
             with no_host_sync():
                 i, y = lowered(zero, x, ks_new)
             assert i.item() == 100
             assert torch.equal(y, ref)
+
+
+def _cond_tree(branches, lo, hi):
+    """switch_to_cond's balanced tree: ``(index, x) -> (branches[clamp(index)](x),)``."""
+    if hi - lo == 1:
+        return torch.fx.symbolic_trace(lambda index, x: (branches[lo](x),))
+    mid = (lo + hi) // 2
+    root = torch.nn.Module()
+    root.left, root.right = _cond_tree(branches, lo, mid), _cond_tree(branches, mid, hi)
+    g = torch.fx.Graph()
+    index, x = g.placeholder("index"), g.placeholder("x")
+    pred = g.call_function(operator.le, (index, mid - 1))
+    c = g.call_function(torch.ops.higher_order.cond, (pred, g.get_attr("left"), g.get_attr("right"), (index, x)))
+    g.output((g.call_function(operator.getitem, (c, 0)),))
+    return torch.fx.GraphModule(root, g)
+
+
+def test_nested_cond_tree_of_a_switch_writes_one_buffer_without_copies():
+    branches = [(lambda k: lambda x: x * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
+    tree = _cond_tree(branches, 0, 8)
+    x = torch.randn(4096, device=DEV)
+    m = lower(tree, (scalar(3), x))
+    assert m.conditional_nodes["IF"] == 7
+
+    def walk(count, depth=0):
+        if depth == 3:  # a leaf branch: mul and add, the add writing the tree's output buffer
+            assert count.by_type == {"KERNEL": 2}, m.graph_nodes.summary()
+            return
+        # each level: one set kernel (comparing index <= mid - 1 itself) and the IF/ELSE node
+        assert count.by_type == {"KERNEL": 1, "CONDITIONAL": 1}, m.graph_nodes.summary()
+        for b in count.bodies:
+            walk(b, depth + 1)
+
+    walk(m.graph_nodes)
+    indices = [scalar(k) for k in EVERY_INDEX]
+    for k in indices:
+        with no_host_sync():
+            (y,) = m(k, x)
+        assert torch.equal(y, branches[min(max(int(k.item()), 0), 7)](x))
+
+
+class Comparisons(torch.nn.Module):
+    """Loop and branch predicates of every comparison and operand kind the set kernel evaluates."""
+
+    def forward(self, x, n32, limit64, lo):
+        def body_fn(i, y):
+            y = torch.cond(y.sum() > lo, lambda t: t * 0.5, lambda t: t + 1.0, (y,))  # float32 tensor vs tensor
+            y = torch.cond(y.max() >= 2.5, lambda t: t - 0.25, lambda t: t * 1.5, (y,))  # float32 vs Python float
+            y = torch.cond(0 < i, lambda t: t + 0.125, lambda t: t.clone(), (y,))  # mirrored, int32 vs int
+            y = torch.cond(y.double().mean() != limit64, lambda t: t * 2.0, lambda t: t * 0, (y,))  # float64 tensors
+            y = torch.cond(i == 3, lambda t: t * -1.0, lambda t: t.clone(), (y,))  # eq
+            return i + 1, y
+
+        return while_loop(lambda i, y: i <= n32, body_fn, (torch.zeros((), dtype=torch.int32, device=x.device), x))
+
+
+def test_every_comparison_kind_in_the_set_kernel_matches_eager():
+    x = torch.randn(256, device=DEV)
+    args = (x, scalar(4, torch.int32), scalar(1e9, torch.float64), scalar(0.0, torch.float32))
+    ep = export(Comparisons(), args)
+    m = lower(ep, args)
+    body = m.graph_nodes.bodies[0]
+    # no comparison kernel anywhere: only the sum/max/double/mean reductions feed set kernels
+    assert body.by_type["CONDITIONAL"] == 5
+    cases = [
+        (torch.randn(256, device=DEV), scalar(n, torch.int32), scalar(v, torch.float64), scalar(lo, torch.float32))
+        for n, v, lo in [(4, 1e9, 0.0), (0, 1e9, -5.0), (-1, 0.0, 3.0), (9, 1e9, 100.0)]
+    ]
+    check(m, ep.module(), cases)
+
+
+def test_max_iterations_limits_every_inner_loop_run():
+    x = torch.randn(1000, device=DEV)
+    ep = export(WhileInWhile(), (x, scalar(3), scalar(2)))
+    m = lower(ep, (x, scalar(3), scalar(2)), max_iterations=4)
+    for n, k in [(3, 10), (3, 1), (6, 1)]:
+        zero_n, zero_k = scalar(n), scalar(k)
+        with no_host_sync():
+            (i, y) = m(x, zero_n, zero_k)
+        ref, outer, stopped = x.clone(), 0, False
+        while outer < n:
+            if outer >= 4:
+                stopped = True
+                break
+            inner = 0
+            while inner < k + outer:
+                if inner >= 4:
+                    stopped = True
+                    break
+                ref, inner = ref * 1.01 + outer, inner + 1
+            outer += 1
+        assert i.item() == outer and torch.equal(y, ref) and m.iterations_exhausted() == stopped, (n, k)
 
 
 @pytest.mark.skipif(not HAS_SWITCH, reason="torch.ops.higher_order.switch needs torch >= 2.14")

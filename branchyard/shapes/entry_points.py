@@ -170,7 +170,7 @@ def export(
         args = (args,)
     binding = bind(spec, mod, tuple(args), kwargs)
     if strict:
-        _check_strict_supported(spec)
+        _check_strict_supported(binding)
     derived_tensor_dims = any(isinstance(leaf.entry, TensorEntry) and any(
         isinstance(d, DimExpr) and not d.is_var for d in leaf.entry.dims) for leaf in binding.leaves)
     reason = shared_bindings_unavailable() if derived_tensor_dims else None
@@ -211,32 +211,36 @@ def export(
     return ep
 
 
-def _check_strict_supported(spec: ShapesSpec) -> None:
-    """Strict export re-fakifies inputs in Dynamo; refuse what that would lose.
+def _check_strict_supported(binding: Binding) -> None:
+    """Strict export re-fakifies the inputs in Dynamo; refuse a spec that would lose a relation.
 
-    Measured on torch 2.14.1: Dynamo keeps a bare var's symbol (shared across
-    inputs) and ``a*var + b`` dims as expressions of it, but gives a product
-    of vars (``batch*heads``) a fresh symbol with no tie to the vars, and
-    drops the ``torch._check`` tying an int argument to its var -- both would
-    leave a declared relation unchecked.
+    Measured on torch 2.14.1: Dynamo copies our symbolic sizes into a ShapeEnv
+    of its own, input by input in argument order and dim by dim, keeping a
+    var's symbol (shared across inputs) and any derived dim whose vars it has
+    already met bare (``2*batch``, ``seq - 1``, ``batch*heads``). A derived dim
+    met *before* one of its vars gets a fresh symbol tied to nothing (and so
+    does that var's later bare slot), which would leave the relation unchecked.
     """
-    for path, dim in spec.iter_dims():
-        if not isinstance(dim, DimExpr):
-            continue
-        if " dim " not in path:
-            raise ShapeSpecError(
-                f"strict=True cannot keep int argument {path!r} ({dim}) tied to its ShapeVar: "
-                "torch 2.14.1's strict export (Dynamo) drops that check",
-                where=path,
-                hint="use the default non-strict export, or make the int static",
-            )
-        if not dim.is_var and dim.linear_root() is None:
-            raise ShapeSpecError(
-                f"strict=True gives {dim} a symbol of its own, unrelated to {sorted(dim.vars)}: "
-                "torch 2.14.1's strict export (Dynamo) keeps only a*var + b dims as expressions",
-                where=path,
-                hint="use the default non-strict export",
-            )
+    order = {name: i for i, name in enumerate(binding.arguments.signature.parameters)}
+    seen: set[str] = set()
+    for leaf in sorted(binding.leaves, key=lambda leaf: order.get(leaf.keys[0], len(order))):
+        dims = leaf.entry.dims if isinstance(leaf.entry, TensorEntry) else (leaf.entry.dim,)
+        for i, dim in enumerate(dims):
+            if not isinstance(dim, DimExpr):
+                continue
+            if dim.is_var:
+                seen.add(dim.name)
+                continue
+            unmet = sorted(set(dim.vars) - seen)
+            if unmet:
+                slot = f"{leaf.path} dim {i}" if isinstance(leaf.entry, TensorEntry) else leaf.path
+                raise ShapeSpecError(
+                    f"{dim} comes before any slot where ShapeVar {unmet[0]!r} is the whole dim; with strict=True, "
+                    "torch 2.14.1's export (Dynamo) would give it a symbol of its own, tied to nothing",
+                    where=slot,
+                    hint=f"put a slot where {unmet[0]!r} is the whole dim in an earlier argument (or an earlier "
+                    "dim), or use the default non-strict export",
+                )
 
 
 def _check_strict_kept_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs) -> None:

@@ -621,6 +621,8 @@ def test_torch_nn_transformer_layer_in_all_entry_points():
     x = torch.randn(3, 16, 16)
     ep = shapes.export(layer, (x,), spec=spec)
     assert len(ep.range_constraints) == 2
+    ep_strict = shapes.export(layer, (x,), spec=spec, strict=True)
+    assert len(ep_strict.range_constraints) == 2
     gm = shapes.make_fx(layer, spec=spec)(x)
     assert len(input_symbols(gm)) == 2
     counter = CompileCounterWithBackend("eager")
@@ -629,6 +631,129 @@ def test_torch_nn_transformer_layer_in_all_entry_points():
         for b, s in [(2, 8), (5, 24), (3, 40)]:
             xb = torch.randn(b, s, 16)
             expected = layer(xb)
-            for got in (ep.module()(xb), gm(xb), compiled(xb)):
+            for got in (ep.module()(xb), ep_strict.module()(xb), gm(xb), compiled(xb)):
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert counter.frame_count == 1
+
+
+# -- strict export ---------------------------------------------------------------------------------
+
+
+def test_strict_export_shares_one_symbol_per_var():
+    ep = shapes.export(add3, ARGS3, spec=SHARED, strict=True)
+    assert len(ep.range_constraints) == 1 and len(input_symbols(ep.graph_module)) == 1
+    assert n_asserts(ep.graph_module) == 4  # as non-strict: 2 range checks + 1 equality per extra input
+    with pytest.raises(Exception, match=r"z.size\(\)\[0\] == x.size\(\)\[0\]|input z dim 0 must equal batch"):
+        ep.module()(torch.ones(4, 4), torch.ones(4, 4), torch.ones(5, 4))
+
+
+LINEAR = ShapesSpec({"x": (batch, 4), "y": (2 * batch, 4), "s": (seq,), "m": (batch, seq - 1)})
+
+
+def linear_fn(x, y, s, m):
+    return torch.cat([x, x]) + y, s * 2, m.sum(1)
+
+
+def test_strict_export_keeps_linear_derived_dims_and_divisors():
+    args = (torch.randn(3, 4), torch.randn(6, 4), torch.randn(16), torch.randn(3, 15))
+    ep = shapes.export(linear_fn, args, spec=LINEAR, strict=True)
+    assert len(ep.range_constraints) == 2  # batch, seq
+    assert len(input_symbols(ep.graph_module)) == 2
+    msgs = assert_messages(ep.graph_module)
+    assert "branchyard.shapes: input y dim 0 must equal 2*batch" in msgs
+    assert "branchyard.shapes: input m dim 1 must equal seq - 1" in msgs
+    assert any("Eq(Mod(u1, 8), 0)" in m for m in msgs)  # restated inside Dynamo's trace
+    good = (torch.randn(5, 4), torch.randn(10, 4), torch.randn(24), torch.randn(5, 23))
+    for got, want in zip(ep.module()(*good), linear_fn(*good)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match="input y dim 0 must equal 2\\*batch"):
+        ep.module()(good[0], torch.randn(9, 4), *good[2:])
+    # the divisor is a fact in strict export too: decided at trace time, no pad in the graph
+    ep = shapes.export(split_heads, (torch.randn(16, 4),), spec=DIVISIBLE, strict=True)
+    assert not any(n.target is torch.ops.aten.constant_pad_nd.default for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(torch.ones(24, 4)), torch.full((3, 4), 8.0))
+
+
+def test_strict_export_of_products_and_int_arguments():
+    # heads comes bare before batch*heads: Dynamo meets the vars first (see below)
+    spec = {"x": (batch, 4), "w": (heads, batch * heads), "s": (seq,), "n": seq - 1}
+
+    def f(x, w, s, n):
+        return x.sum(0), w.sum(0), s[:n]
+
+    def inputs(b, h, sq, n=None):
+        return torch.randn(b, 4), torch.randn(h, b * h), torch.randn(sq), sq - 1 if n is None else n
+
+    ep = shapes.export(f, inputs(4, 3, 16), spec=spec, strict=True)
+    assert len(input_symbols(ep.graph_module, ["x", "w", "s"])) == 3  # batch, heads, seq
+    assert "branchyard.shapes: input w dim 1 must equal batch*heads" in assert_messages(ep.graph_module)
+    a = inputs(5, 2, 24)
+    for got, want in zip(ep.module()(*a), f(*a)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match=r"Eq\(u\d+ \+ 1, u\d+\)"):  # n == seq - 1
+        ep.module()(*inputs(5, 2, 24, n=22))
+    with pytest.raises(RuntimeError, match="input w dim 1 must equal batch\\*heads"):
+        ep.module()(a[0], torch.randn(2, 11), *a[2:])
+
+
+def test_strict_export_refuses_a_derived_dim_before_its_var():
+    """Dynamo copies sizes input by input: a derived dim met before its var's bare
+    slot would get a symbol of its own, tied to nothing."""
+
+    def f(y, x):
+        return y, x
+
+    spec = {"x": (batch, 4), "y": (2 * batch, 4)}
+    args = (torch.randn(6, 4), torch.randn(3, 4))
+    with pytest.raises(ShapeSpecError, match=r"y dim 0: 2\*batch comes before any slot where ShapeVar 'batch' is the whole dim"):
+        shapes.export(f, args, spec=spec, strict=True)
+    assert len(shapes.export(f, args, spec=spec).range_constraints) == 1  # non-strict: fine
+
+
+def test_strict_export_diagnoses_a_branch_on_a_declared_dim():
+    with pytest.raises(DataDependentShapeError) as info:
+        shapes.export(branchy, (torch.randn(4, 4),), spec=BRANCH_SPEC, strict=True)
+    text = str(info.value)
+    assert "test_shapes_entry_points.py:" in text and BRANCH_LINE in text and "`batch > 64`" in text
+
+
+# -- the private binding step of torch.export: feature-detected, with a fallback ----------------------
+
+
+@pytest.mark.parametrize("how", ["missing", "signature changed"])
+def test_export_falls_back_to_torchs_native_spec_without_the_binding_step(monkeypatch, how):
+    import torch.export._trace as trace_module
+
+    import branchyard.shapes.entry_points as entry_points
+    import branchyard.shapes.graph_checks as graph_checks
+
+    monkeypatch.setattr(entry_points, "_warned", set())
+    if how == "missing":  # as on a torch without it (torch's own export still needs the real one)
+        monkeypatch.setattr(graph_checks, "_BINDING_HOOK", ("torch.export._trace", "_no_such_binding_step"))
+    else:
+        original = trace_module._add_input_unbacked_bindings
+
+        def changed(gm, shape_env=None):
+            return original(gm)
+
+        monkeypatch.setattr(trace_module, "_add_input_unbacked_bindings", changed)
+    spec = ShapesSpec({"x": (batch, 4), "y": (2 * batch, 4)})
+
+    def f(x, y):
+        return torch.cat([x, x]) + y
+
+    args = (torch.randn(3, 4), torch.randn(6, 4))
+    with pytest.warns(shapes.ShapesFallbackWarning, match="exporting with torch's native spec"):
+        ep = shapes.export(f, args, spec=spec)
+    assert len(ep.range_constraints) == 2  # torch's way: a symbol per occurrence, tied by Eq
+    good = (torch.randn(7, 4), torch.randn(14, 4))
+    torch.testing.assert_close(ep.module()(*good), f(*good))
+    with pytest.raises(SpecViolationError, match="y dim 0 has size 13, but the spec says 2\\*batch = 14"):
+        shapes.checked_module(ep)(good[0], torch.randn(13, 4))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per process
+        shapes.export(f, args, spec=spec)
+    # a spec with no derived tensor dim never needs the binding step: no fallback
+    assert len(shapes.export(add3, ARGS3, spec=SHARED).range_constraints) == 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import traceback
-from typing import Any, Mapping
+from typing import Mapping
 
 import sympy
 import torch

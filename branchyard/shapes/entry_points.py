@@ -14,17 +14,27 @@ How step 2 is done per entry point:
 
 =============  ==============================================================
 ``export``     our own fake inputs (one unbacked symbol per ShapeVar,
-               :mod:`branchyard.shapes.symbolic`) handed to non-strict
+               :mod:`branchyard.shapes.symbolic`) handed to
                ``torch.export.export``; plain functions are wrapped in a module
-               that owns the ``nn.Module`` s they close over.
+               that owns the ``nn.Module`` s they close over. ``strict=True``
+               works too: Dynamo copies the fakes' symbols into its own
+               ShapeEnv in argument order, so a derived dim must come after
+               its vars' bare slots (checked).
 ``make_fx``    the same fake inputs handed to torch's ``make_fx``; kwargs are
                bound to positions first; deferred runtime asserts are
                inserted into the graph.
 ``compile``    torch's native ``ShapesSpec`` (:func:`~branchyard.shapes.interop.to_torch_spec`)
                handed to ``torch.compile(dynamic_shapes=...)``: Dynamo
-               allocates the symbols itself, one per occurrence, tied by
-               ``Eq`` asserts to the first.
+               allocates a symbol per occurrence and ties the copies to the
+               first with ``Eq`` asserts (the ShapeEnv then replaces them by
+               it); the backend is wrapped so the range checks Dynamo repeats
+               for each copy are dropped before it sees the graph
+               (:func:`~branchyard.shapes.graph_checks.drop_implied_range_checks`).
 =============  ==============================================================
+
+Where torch lacks what a route relies on (a private hook or class of torch
+2.14.1), the entry point warns once with :class:`ShapesFallbackWarning` and
+does what torch's native spec does instead.
 """
 
 from __future__ import annotations
@@ -157,9 +167,11 @@ def export(
     ``fn`` may be a plain function (wrapped in a module that owns the modules
     it refers to) or an ``nn.Module``. ``args``/``kwargs`` are example inputs;
     they must satisfy the spec. Extra keyword arguments go to
-    ``torch.export.export`` (non-strict: our fake inputs must reach the tracer
-    as they are). Returns the ``ExportedProgram``; its ``range_constraints``
-    hold one entry per ShapeVar.
+    ``torch.export.export``; ``strict=True`` is accepted when every derived
+    dim comes after a bare slot of each of its vars, in argument order
+    (otherwise a :class:`~branchyard.errors.ShapeSpecError` says which dim).
+    Returns the ``ExportedProgram``; its ``range_constraints`` hold one entry
+    per ShapeVar (plus one per int argument that is a derived size).
     """
     spec = resolve_spec(fn, spec)
     strict = bool(export_kwargs.pop("strict", False))
@@ -637,9 +649,11 @@ def compile(
     """``torch.compile(fn)`` with the spec's dims unbacked, plus input validation.
 
     Extra keyword arguments go to ``torch.compile`` (``backend``, ``mode``,
-    ...); ``fullgraph`` defaults to True, so a data-dependent branch on a
-    declared dim is an error rather than a silent graph break. ``validate=False`` skips the per-call
-    check (a few microseconds of Python per call).
+    ``options``, ...); ``fullgraph`` defaults to True, so a data-dependent
+    branch on a declared dim is an error rather than a silent graph break.
+    ``validate=False`` skips the per-call check (a few microseconds of Python
+    per call). A var shared by several inputs is one symbol to the compiler,
+    with one set of range checks in the graph the backend receives.
     """
     spec = resolve_spec(fn, spec)
     if not HAS_NATIVE_SPEC:

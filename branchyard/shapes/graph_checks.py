@@ -11,7 +11,13 @@ the checks back where a graph needs them:
   against them, ``_assert_scalar(sym_size(y, 0) == 2 * sym_size(x, 0), ...)``;
 * :func:`insert_runtime_asserts` -- the two above plus torch's deferred
   runtime asserts (ranges, divisors) for a ``make_fx`` graph;
-  :func:`shared_symbol_bindings` lets ``torch.export`` use the first one.
+  :func:`shared_symbol_bindings` lets ``torch.export`` use the first one
+  (replacing a private torch step; :func:`shared_bindings_unavailable` says
+  when it cannot).
+
+Under ``torch.compile`` the symbols are Dynamo's, one per occurrence and tied
+by ``Eq`` asserts; :func:`drop_implied_range_checks` removes the range checks
+those ties make redundant, leaving one set per var.
 
 Before (make_fx of ``x + y`` with ``x: (batch, 4)``, ``y: (batch, 4)``)::
 
@@ -27,13 +33,22 @@ After::
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Iterator
 
+import sympy
 import torch
 
 from branchyard.errors import ShapeSpecError
 
-__all__ = ["bind_placeholder_symbols", "insert_dim_checks", "insert_runtime_asserts", "shared_symbol_bindings"]
+__all__ = [
+    "bind_placeholder_symbols",
+    "insert_dim_checks",
+    "insert_runtime_asserts",
+    "shared_symbol_bindings",
+    "shared_bindings_unavailable",
+    "drop_implied_range_checks",
+]
 
 
 def bind_placeholder_symbols(gm: torch.fx.GraphModule) -> None:
@@ -235,18 +250,8 @@ def insert_runtime_asserts(gm: torch.fx.GraphModule, shape_env: Any, var_of_symb
 
 # -- torch.compile: one set of range checks per var ----------------------------------------
 
-# FX comparison targets -> sympy relations, for reading an assert's condition
-_RELATIONS: dict[Any, Any] = {}
-
-
-def _relations() -> dict[Any, Any]:
-    import operator
-
-    import sympy
-
-    if not _RELATIONS:
-        _RELATIONS.update({operator.ge: sympy.Ge, operator.gt: sympy.Gt, operator.le: sympy.Le, operator.lt: sympy.Lt, operator.eq: sympy.Eq})
-    return _RELATIONS
+# FX comparison targets -> the sympy relation they compute, to read an assert's condition
+_RELATIONS = {operator.ge: sympy.Ge, operator.gt: sympy.Gt, operator.le: sympy.Le, operator.lt: sympy.Lt, operator.eq: sympy.Eq}
 
 
 def _raw_expr(arg: Any) -> Any:
@@ -270,7 +275,7 @@ def _condition(assert_node: torch.fx.Node) -> Any:
     cond = assert_node.args[0] if assert_node.args else None
     if not isinstance(cond, torch.fx.Node) or cond.op != "call_function":
         return None
-    rel = _relations().get(cond.target)
+    rel = _RELATIONS.get(cond.target)
     if rel is None or len(cond.args) != 2:
         return None
     lhs, rhs = (_raw_expr(a) for a in cond.args)

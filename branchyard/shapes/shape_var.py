@@ -25,7 +25,6 @@ which is how an expression becomes a symbolic size at trace time.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Union
 
 import sympy

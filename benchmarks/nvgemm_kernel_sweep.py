@@ -9,6 +9,7 @@ events around launches that rotate over enough weight copies to miss L2.
 
     python benchmarks/nvgemm_kernel_sweep.py --quick      # a few shapes
     python benchmarks/nvgemm_kernel_sweep.py --json out.json
+    python benchmarks/nvgemm_kernel_sweep.py --configs t128x128_c1x1_o1_rtma_pp,t128x256_c1x1_o1_rtma
 
 Prints one row per (shape, chain, candidate) and a summary per (shape, chain).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -58,6 +60,15 @@ def bench(fn, rep_ms: int = 60) -> float:
     return times[len(times) // 2]
 
 
+def config_from_name(name: str) -> cg.GemmConfig:
+    """The GemmConfig whose ``.name`` is ``name`` (t{M}x{N}_c{CM}x{CN}_o{O}[_rtma][_pp])."""
+    found = re.fullmatch(r"t(\d+)x(\d+)_c(\d)x(\d)_o(\d)(_rtma)?(_pp)?", name)
+    if not found:
+        raise SystemExit(f"--configs: {name!r} is not a config name like t128x128_c1x1_o1_rtma_pp")
+    tm, tn, cm, cn, occ = (int(v) for v in found.groups()[:5])
+    return cg.GemmConfig(tm, tn, cm, cn, occ, residual_tma=bool(found.group(6)), persistent=bool(found.group(7)))
+
+
 def operands_for(spec: EpilogueSpec, m: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
     ops: list[torch.Tensor] = []
     for step in spec.steps:
@@ -75,6 +86,7 @@ def main() -> int:
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--shapes", help="M,N,K;M,N,K;... (overrides the defaults)")
     parser.add_argument("--chains", help="comma-separated names from CHAINS")
+    parser.add_argument("--configs", help="comma-separated config names (default: candidate_configs per shape)")
     args = parser.parse_args()
     ok, why = cg.cutedsl_available()
     if not ok:
@@ -93,18 +105,24 @@ def main() -> int:
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=dtype) / k**0.25
         w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.25
-        t_mm = bench(lambda: F.linear(a, w))
         for chain in chains:
             text = ";".join(p for p in ("w=nk", CHAINS[chain], f"out={args.dtype}") if p)
             spec = EpilogueSpec.parse(text)
             ops = operands_for(spec, m, n, dtype)
             ref = reference_fused_gemm(a, w, ops, spec)
+            # mm again for every chain: its time drifts over a long run (clocks, power)
+            t_mm = bench(lambda: F.linear(a, w))
             t_unfused = bench(lambda: unfused_aten_epilogue(F.linear(a, w), spec, ops))
             t_addmm = float("nan")
             if chain == "bias+gelu_tanh+res":
                 t_addmm = bench(lambda: torch._addmm_activation(ops[0], a, w.t(), use_gelu=True) + ops[1])
             best = (math.inf, "")
-            for config in cg.candidate_configs(m, n, k, dtype):
+            configs = (
+                [config_from_name(c) for c in args.configs.split(",")]
+                if args.configs
+                else cg.candidate_configs(m, n, k, dtype)
+            )
+            for config in configs:
                 t0 = time.time()
                 try:
                     fn = cg.compile_fused_gemm(spec, dtype, config)
@@ -122,18 +140,18 @@ def main() -> int:
                 row = dict(m=m, n=n, k=k, chain=chain, config=config.name, us=t, err=err, ok=good,
                            compile_s=compile_s, mm_us=t_mm, unfused_us=t_unfused, addmm_act_us=t_addmm)
                 rows.append(row)
-                print(f"  {m:5d}x{n:5d}x{k:5d} {chain:20s} {config.name:18s} {t:9.1f} us  err {err:.2e} "
-                      f"{'ok ' if good else 'BAD'} compile {compile_s:.1f}s", flush=True)
+                print(f"  {m:5d}x{n:5d}x{k:5d} {chain:20s} {config.name:24s} {t:9.1f} us  err {err:.2e} "
+                      f"{'ok ' if good else 'BAD'} compile {compile_s:.1f}s  mm {t_mm:.1f} unfused {t_unfused:.1f}", flush=True)
                 if good and t < best[0]:
                     best = (t, config.name)
             summary.append((m, n, k, chain, t_mm, t_unfused, t_addmm, best[0], best[1]))
+            if args.json:  # after every chain, so that a run cut short keeps what it measured
+                with open(args.json, "w") as fh:
+                    json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, fh)
     print("\nM     N     K     chain                 mm_us  unfused_us  addmm_act_us  fused_us  fused/mm  unfused/fused  best")
     for m, n, k, chain, t_mm, t_un, t_ad, t_f, name in summary:
         print(f"{m:<5d} {n:<5d} {k:<5d} {chain:20s} {t_mm:7.1f} {t_un:11.1f} {t_ad:13.1f} {t_f:9.1f} "
               f"{t_f / t_mm:9.3f} {t_un / t_f:14.3f}  {name}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
     return 0
 
 

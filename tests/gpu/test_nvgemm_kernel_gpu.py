@@ -39,6 +39,8 @@ SHAPES = [(1, 4096, 512), (100, 14336, 256), (333, 1000, 136), (512, 512, 1024)]
 CONFIG = cg.GemmConfig(128, 128)
 # The same tile with the residual brought in by TMA instead of gathered.
 CONFIG_RTMA = cg.GemmConfig(128, 128, residual_tma=True)
+# The persistent ping-pong kernel (each consumer warpgroup a 128x128 tile).
+CONFIG_PP = cg.GemmConfig(128, 128, residual_tma=True, persistent=True)
 
 
 def _operands(spec: EpilogueSpec, m: int, n: int, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
@@ -82,7 +84,7 @@ def test_every_epilogue_matches_fp32_reference(chain: str, dtype: str, layout: s
     if layout == "kn" and chain not in ("bias@0;gelu_erf", "scale:0.5;residual@0"):
         pytest.skip("the [K, N] weight layout is covered by two chains")
     spec = EpilogueSpec.parse(f"w={layout};{chain};out={dtype}")
-    configs = [CONFIG, CONFIG_RTMA] if "residual" in chain else [CONFIG]
+    configs = [CONFIG, CONFIG_PP, CONFIG_RTMA] if "residual" in chain else [CONFIG, CONFIG_PP]
     for m, n, k in SHAPES:
         a, b, gen = _inputs(m, n, k, DTYPES[dtype], layout)
         ops = _operands(spec, m, n, DTYPES[dtype], gen)
@@ -110,6 +112,25 @@ def test_every_candidate_config_is_correct(m: int) -> None:
         _check(out, ref, torch.bfloat16)
 
 
+PERSISTENT = [
+    CONFIG_PP,
+    cg.GemmConfig(128, 128, residual_tma=False, persistent=True),
+    cg.GemmConfig(128, 128, cluster_m=2, residual_tma=True, persistent=True),
+    cg.GemmConfig(64, 256, residual_tma=True, persistent=True),
+]
+
+
+@pytest.mark.parametrize("config", PERSISTENT, ids=lambda c: c.name)
+@pytest.mark.parametrize("m,n,k", [(2051, 4096, 1024), (4099, 1000, 64), (1500, 2056, 136)])
+def test_persistent_kernel_many_tiles_per_cta(config: cg.GemmConfig, m: int, n: int, k: int) -> None:
+    """Several tiles per CTA (both consumer warpgroups, the ring wrapping many times),
+    ragged M and N, one k-tile (K=64, fewer than the ring's stages) and a ragged K."""
+    spec = EpilogueSpec.parse("w=nk;bias@0;gelu_erf;residual@1;out=bfloat16")
+    a, b, gen = _inputs(m, n, k, torch.bfloat16, "nk", seed=k)
+    ops = _operands(spec, m, n, torch.bfloat16, gen)
+    _check(_run(spec, a, b, ops, config), reference_fused_gemm(a, b, ops, spec), torch.bfloat16)
+
+
 def _gelu_discriminating_inputs():
     """Inputs whose products land in [-3.0, -2.4], where erf-GELU and tanh-GELU
     differ by 3-5e-4 on outputs of about -0.01 (about 50 float16 ulps)."""
@@ -130,10 +151,11 @@ def gelu_swap_errors(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, mine: 
     return (out.float() - f_mine).abs().max().item(), (f_mine - f_other).abs().min().item()
 
 
-def test_gelu_variants_are_not_swapped() -> None:
+@pytest.mark.parametrize("config", [CONFIG, CONFIG_PP], ids=lambda c: c.name)
+def test_gelu_variants_are_not_swapped(config: cg.GemmConfig) -> None:
     a, w = _gelu_discriminating_inputs()
     for mine, other in (("gelu_erf", "gelu_tanh"), ("gelu_tanh", "gelu_erf")):
-        out = _run(EpilogueSpec.parse(f"w=nk;{mine};out=float16"), a, w, [])
+        out = _run(EpilogueSpec.parse(f"w=nk;{mine};out=float16"), a, w, [], config)
         err, gap = gelu_swap_errors(out, a, w, mine, other)
         assert err * 4 < gap, f"{mine}: output is {err:.2e} from its own formula; the two GELUs differ by >= {gap:.2e}"
 

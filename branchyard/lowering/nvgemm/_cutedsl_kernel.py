@@ -20,7 +20,7 @@ from typing import Any
 
 
 @functools.lru_cache(maxsize=1)
-def build_kernel_class() -> type:
+def _build_tile_class() -> type:
     """Import CuTeDSL and define :class:`FusedGemmKernel` (cached)."""
     import cutlass
     import cutlass.cute as cute
@@ -28,10 +28,7 @@ def build_kernel_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
-    from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K, _CuteMath
-
-    # Accumulator elements the epilogue formulas handle per vector (see _apply_steps).
-    _CHUNK = 8
+    from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K
 
     class FusedGemmKernel:
         """``out = epilogue(A @ B^T)`` with A (M, K), B (N, K), out (M, N); see module doc."""
@@ -326,7 +323,7 @@ def build_kernel_class() -> type:
                     cute.local_tile(cute.make_identity_tensor(mC.shape), self.tile_mnk, tile_coord, proj=(1, 1, None))
                 )
                 local = thr_c.partition_C(cute.make_identity_tensor((self.tile_mnk[0], self.tile_mnk[1])))
-                self._apply_steps(acc, coords, local, sR, operands, mC.shape[0] - 1, mC.shape[1] - 1)
+                apply_steps(self.steps, self.tma_mat, acc, coords, local, sR, operands, mC.shape[0] - 1, mC.shape[1] - 1)
 
             # ---- cast, registers -> smem (stmatrix) -> global (TMA), one epi sub-tile at a time
             c_dtype = mC.element_type
@@ -376,46 +373,78 @@ def build_kernel_class() -> type:
             cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
             ring.producer_commit(state)
 
-        def _apply_steps(self, acc, coords, local, sR, operands, m_last, n_last):
-            """Trace-time unrolled: gather operands by (row, col), run the formulas in fp32.
-
-            The fragment is processed ``_CHUNK`` elements at a time so that the
-            gathered operands and temporaries stay a few registers next to the
-            accumulators (whole-fragment vectors spilled to local memory).
-            Rows/cols past the edge are clamped to the last one: the loads stay in
-            bounds without a branch, and the TMA store drops those elements.
-            """
-            m = _CuteMath()
-            total = cute.size(acc)
-            chunk = _CHUNK if total % _CHUNK == 0 else 1
-            for start in range(0, total, chunk):
-                vals = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                for j in range(chunk):
-                    vals[j] = acc[start + j]
-                x = vals.load()
-                for step in self.steps:
-                    if step.operand in ("none", "cast"):
-                        x = step.fn(x, m)
-                    elif step.operand == "scalar":
-                        x = step.fn(x, step.value, m)
-                    elif step.operand == "mat" and step.index == self.tma_mat:
-                        gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                        for j in range(chunk):
-                            gathered[j] = sR[local[start + j]].to(cutlass.Float32)
-                        x = step.fn(x, gathered.load(), m)
-                    else:
-                        src = operands[step.index]
-                        gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                        for j in range(chunk):
-                            row, col = coords[start + j]
-                            col = cutlass.min(col, n_last)
-                            if step.operand == "col":
-                                gathered[j] = src[col].to(cutlass.Float32)
-                            else:
-                                gathered[j] = src[cutlass.min(row, m_last), col].to(cutlass.Float32)
-                        x = step.fn(x, gathered.load(), m)
-                vals.store(x)
-                for j in range(chunk):
-                    acc[start + j] = vals[j]
-
     return FusedGemmKernel
+
+
+def build_kernel_class() -> Any:
+    """The kernel class for a config: ``build_kernel_class()(steps, config, types)``.
+
+    ``config.persistent`` selects the persistent ping-pong kernel of
+    :mod:`._cutedsl_persistent`, else the one-tile-per-CTA kernel above.
+    """
+
+    def make(steps: tuple, config: Any, types: dict) -> Any:
+        if getattr(config, "persistent", False):
+            from branchyard.lowering.nvgemm._cutedsl_persistent import build_persistent_class
+
+            return build_persistent_class()(steps, config, types)
+        return _build_tile_class()(steps, config, types)
+
+    return make
+
+
+# Accumulator elements the epilogue formulas handle per vector (see apply_steps).
+_CHUNK = 8
+
+
+def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last) -> None:
+    """Trace-time unrolled: gather operands by (row, col), run the formulas in fp32, in place on ``acc``.
+
+    ``coords[i]`` is the global (row, col) of ``acc[i]``, ``local[i]`` its
+    (row, col) in the tile (the index into ``sR``, the residual tile of
+    operand ``tma_mat`` in shared memory, when there is one). The fragment is
+    processed ``_CHUNK`` elements at a time so that the gathered operands and
+    temporaries stay a few registers next to the accumulators (whole-fragment
+    vectors spilled to local memory). Rows/cols past the edge are clamped to
+    the last one: the loads stay in bounds without a branch, and the TMA store
+    drops those elements. Formulas come from ``kernel_formula`` (the shared
+    table's, or its cheaper form where one is listed).
+    """
+    import cutlass
+    import cutlass.cute as cute
+
+    from branchyard.lowering.nvgemm.cutedsl_gemm import _CuteMath, kernel_formula
+
+    m = _CuteMath()
+    total = cute.size(acc)
+    chunk = _CHUNK if total % _CHUNK == 0 else 1
+    formulas = [kernel_formula(step) for step in steps]
+    for start in range(0, total, chunk):
+        vals = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+        for j in range(chunk):
+            vals[j] = acc[start + j]
+        x = vals.load()
+        for step, fn in zip(steps, formulas):
+            if step.operand in ("none", "cast"):
+                x = fn(x, m)
+            elif step.operand == "scalar":
+                x = fn(x, step.value, m)
+            elif step.operand == "mat" and step.index == tma_mat:
+                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+                for j in range(chunk):
+                    gathered[j] = sR[local[start + j]].to(cutlass.Float32)
+                x = fn(x, gathered.load(), m)
+            else:
+                src = operands[step.index]
+                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+                for j in range(chunk):
+                    row, col = coords[start + j]
+                    col = cutlass.min(col, n_last)
+                    if step.operand == "col":
+                        gathered[j] = src[col].to(cutlass.Float32)
+                    else:
+                        gathered[j] = src[cutlass.min(row, m_last), col].to(cutlass.Float32)
+                x = fn(x, gathered.load(), m)
+        vals.store(x)
+        for j in range(chunk):
+            acc[start + j] = vals[j]

@@ -146,6 +146,14 @@ class GemmConfig:
     the first ``[M, N]`` operand into shared memory with one TMA copy after the
     K loop (into the then idle B ring) instead of gathering it element by
     element from global memory (no effect on chains without one).
+
+    ``persistent`` selects the persistent warp-specialised kernel: a grid of
+    #SMs CTAs, each with a TMA producer warpgroup and two consumer
+    warpgroups that own alternate ``tile_m x tile_n`` tiles ("ping-pong", one
+    warpgroup's epilogue overlaps the other's main loop); there ``tile_m x
+    tile_n`` is one warpgroup's tile (at most 128 x 128 fp32 accumulators per
+    thread), clusters run along M only (``cluster_m`` 1 or 2, B multicast),
+    and the residual tile comes in by TMA as the tile's main loop starts.
     """
 
     tile_m: int = 128
@@ -155,6 +163,7 @@ class GemmConfig:
     occupancy: int = 1
     raster_group: int = 8
     residual_tma: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -174,6 +183,15 @@ class GemmConfig:
             problems.append("occupancy=2 with a 256-wide tile does not fit the register file")
         if self.raster_group < 1:
             problems.append(f"raster_group={self.raster_group} (must be >= 1)")
+        if self.persistent:
+            if self.tile_m * self.tile_n > 128 * 128:
+                problems.append(
+                    f"persistent tile {self.tile_m}x{self.tile_n} (one warpgroup holds at most 128x128 accumulators)"
+                )
+            if self.cluster_n != 1 or self.cluster_m > 2:
+                problems.append("persistent clusters are cluster_m in {1, 2} with cluster_n = 1")
+            if self.occupancy != 1:
+                problems.append("persistent kernels run one CTA per SM (occupancy=1)")
         if problems:
             raise LoweringError("invalid GemmConfig: " + "; ".join(problems), where="GemmConfig")
 
@@ -182,17 +200,23 @@ class GemmConfig:
         """Warpgroups issuing wgmma: two (64 rows each) for 128-row tiles, else one.
 
         One warpgroup holding a 128x128 fp32 tile needs 128 accumulator registers
-        per thread and spilled once an epilogue was added; two halve that.
+        per thread and spilled once an epilogue was added; two halve that. (The
+        persistent kernel has two consumer warpgroups, each with a whole tile,
+        and its 232-register budget holds that.)
         """
+        if self.persistent:
+            return 2
         return 2 if self.tile_m == 128 else 1
 
     @property
     def threads(self) -> int:
-        """Threads per CTA."""
-        return 128 * self.warpgroups
+        """Threads per CTA (the persistent kernel adds a producer warpgroup)."""
+        return 128 * (self.warpgroups + (1 if self.persistent else 0))
 
     def ab_stages(self, itemsize: int = 2) -> int:
         """Shared-memory stages of the A/B ring that fit ``occupancy`` CTAs per SM."""
+        if self.persistent:
+            return persistent_stages(self.tile_m, self.tile_n, 0, itemsize)
         per_stage = (self.tile_m + self.tile_n) * TILE_K * itemsize
         epi = self.epi_tile[0] * self.epi_tile[1] * itemsize * _EPI_STAGES
         budget = _SMEM_CAPACITY // self.occupancy - _SMEM_RESERVED - epi
@@ -207,8 +231,22 @@ class GemmConfig:
     @property
     def name(self) -> str:
         """Short stable name, used in logs and in the autotuner's database."""
-        tail = "_rtma" if self.residual_tma else ""
+        tail = ("_rtma" if self.residual_tma else "") + ("_pp" if self.persistent else "")
         return f"t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_o{self.occupancy}{tail}"
+
+
+def persistent_stages(tile_m: int, tile_n: int, residual_bytes: int, itemsize: int = 2) -> int:
+    """A/B ring stages of the persistent kernel next to its epilogue buffers
+    (4 sub-tiles of 64 x min(32, tile_n) per consumer warpgroup) and, for a
+    TMA residual, ``residual_bytes`` of residual tiles (both warpgroups').
+
+        >>> persistent_stages(128, 128, 0), persistent_stages(128, 128, 2 * 128 * 128 * 2)
+        (6, 4)
+    """
+    per_stage = (tile_m + tile_n) * TILE_K * itemsize
+    epi = 2 * 64 * min(32, tile_n) * itemsize * _EPI_STAGES
+    budget = _SMEM_CAPACITY - _SMEM_RESERVED - epi - residual_bytes
+    return max(2, min(_MAX_AB_STAGES, budget // per_stage))
 
 
 def candidate_configs(m: int, n: int, k: int, dtype: Any) -> list[GemmConfig]:
@@ -246,9 +284,13 @@ def _candidate_configs(m: int) -> list[GemmConfig]:
             GemmConfig(128, 128, occupancy=2),
             GemmConfig(128, 256),
         ]
-    # Measured on the H200 at 8192x14336x4096 (docs/nvgemm_kernel.md): 128x256
-    # leads; 128x128 at two CTAs per SM gets only two stages and ran 1.5x slower.
+    # Large M: the persistent ping-pong kernel first (its epilogue hides behind the
+    # other warpgroup's main loop); then the one-tile-per-CTA kernel, where 128x256
+    # led at 8192x14336x4096 and 128x128 at two CTAs per SM (two stages) ran 1.5x slower.
     return [
+        GemmConfig(128, 128, persistent=True),
+        GemmConfig(128, 128, cluster_m=2, persistent=True),
+        GemmConfig(64, 256, persistent=True),
         GemmConfig(128, 256),
         GemmConfig(128, 256, cluster_m=2),
         GemmConfig(128, 256, cluster_n=2),
@@ -368,12 +410,44 @@ def plan_steps(spec: Any) -> tuple[KernelStep, ...]:
     return tuple(planned)
 
 
+#: log2(e): exp(x) = 2^(x log2 e), and ex2.approx is one MUFU instruction.
+_LOG2E = 1.4426950408889634
+#: Abramowitz & Stegun 7.1.26: erf(z) = 1 - t (a1 + t (a2 + ...)) e^(-z^2), t = 1 / (1 + p z), z >= 0;
+#: absolute error <= 1.5e-7 (far below bf16 / fp16 rounding of the outputs).
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+#: Table rows whose formula divides: an IEEE fp32 division is a ~10-instruction
+#: sequence with a slow path, so the kernel evaluates the same function through
+#: ``m.sigmoid`` (one approximate reciprocal). Every other row runs its table formula.
+_KERNEL_FORMULAS: dict[str, Callable[..., Any]] = {
+    "silu": lambda x, m: x * m.sigmoid(x),
+    "sigmoid": lambda x, m: m.sigmoid(x),
+}
+
+
+def kernel_formula(step: KernelStep) -> Callable[..., Any]:
+    """The formula the kernel emits for ``step``: the table's, or its division-free form.
+
+        >>> kernel_formula(plan_steps("w=nk;silu;out=bfloat16")[0]) is _KERNEL_FORMULAS["silu"]
+        True
+    """
+    return _KERNEL_FORMULAS.get(step.name, step.fn)
+
+
 class _CuteMath:
     """The math namespace ``m`` the shared formulas see inside the kernel.
 
-    Values are fp32 ``TensorSSA`` fragments (or scalars); every function maps
-    to CuTeDSL's vector math. Non-``fastmath`` variants are used so that erf /
-    tanh match the fp32 reference to a few ulp.
+    Values are fp32 ``TensorSSA`` fragments (or scalars). The kernel writes
+    16-bit outputs only, so the transcendental functions use the hardware's
+    approximate ``ex2`` and reciprocal (relative error ~2^-22 and ~2^-23)
+    instead of the accurate library sequences (~3x the instructions), in
+    forms whose *absolute* error stays ~1e-7 where the formulas cancel
+    (``1 + tanh(u)`` and ``1 + erf(z)`` near -1); ``tanh.approx`` (2^-11
+    relative, ~5e-4 absolute there) would blur erf- and tanh-GELU apart in
+    float16. Measured over [-12, 12] against float64: gelu_erf and gelu_tanh
+    within 7e-7 absolute, as the accurate fp32 functions.
     """
 
     def __init__(self) -> None:
@@ -381,14 +455,24 @@ class _CuteMath:
 
         self._cute = cute
 
+    def exp(self, x: Any) -> Any:
+        return self._cute.math.exp2(x * _LOG2E, fastmath=True)
+
+    def rcp(self, x: Any) -> Any:
+        return self._cute.math.rcp(x, approx=True, ftz=True)
+
     def tanh(self, x: Any) -> Any:
-        return self._cute.math.tanh(x)
+        # 1 - 2 / (1 + e^(2x)): saturates to +-1 through inf / 0, no cancellation of its own.
+        return 1.0 - 2.0 * self.rcp(1.0 + self._cute.math.exp2(x * (2.0 * _LOG2E), fastmath=True))
 
     def erf(self, x: Any) -> Any:
-        return self._cute.math.erf(x)
-
-    def exp(self, x: Any) -> Any:
-        return self._cute.math.exp(x)
+        a = self.abs(x)
+        t = self.rcp(1.0 + _ERF_P * a)
+        poly = _ERF_A[4]
+        for coef in reversed(_ERF_A[:4]):
+            poly = poly * t + coef
+        e = 1.0 - poly * t * self._cute.math.exp2(-(a * a) * _LOG2E, fastmath=True)
+        return self._cute.where(x < 0.0, -e, e)
 
     def log(self, x: Any) -> Any:
         return self._cute.math.log(x)
@@ -403,7 +487,7 @@ class _CuteMath:
         return self._cute.where(x < 0.0, -x, x)
 
     def sigmoid(self, x: Any) -> Any:
-        return 1.0 / (1.0 + self._cute.math.exp(-x))
+        return self.rcp(1.0 + self.exp(-x))
 
     def maximum(self, x: Any, y: Any) -> Any:
         return self._cute.where(x > y, x, self._full(x, y))

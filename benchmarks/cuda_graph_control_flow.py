@@ -7,8 +7,8 @@ docs/benchmarks.md) and, with ``--json PATH``, the raw figures.
    over 64K floats: torch's eager ``while_loop`` and a host loop that syncs each
    trip (both the median of several timed calls: they are noisy), our one-graph
    lowering, and three hand-built graphs (benchmarks/cuda_graph_reference.py):
-   the minimal 2-kernel body, one with the same 3 kernel nodes our lowering
-   emits (NVRTC kernels), and that one with torch's own add/lerp kernels.
+   the minimal 2-kernel body, one with the same 2 kernel nodes our lowering
+   emits (NVRTC kernels), and that one with torch's own lerp kernel.
 2. An 8-way switch inside a 1000-step loop, four lowerings of the same
    program: one SWITCH node (ours); 8 IF nodes whose handles one kernel sets
    (XLA's lowering of an n-way case); 8 IF nodes with a set kernel each; and
@@ -116,8 +116,8 @@ def bench_while(results: dict) -> list[str]:
     ours = lower(ep, (x, c, scalar(10)))
     zero = time_ms(lambda: ours(x, c, scalar(0)), reps=50)
     rows = [
-        "| trips | eager `while_loop` µs/iter (median) | host loop µs/iter (median) | **ours** µs/iter | hand-built, same 3 nodes | "
-        "same 3 nodes, torch's add/lerp | hand-built, minimal 2 kernels | eager / ours | ours / same | ours / same-with-torch-kernels | equal |",
+        "| trips | eager `while_loop` µs/iter (median) | host loop µs/iter (median) | **ours** µs/iter | hand-built, same 2 nodes | "
+        "same 2 nodes, torch's lerp | hand-built, minimal 2 kernels | eager / ours | ours / same | ours / same-with-torch-kernels | equal |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for trips in (10, 100, 1000, 10000):

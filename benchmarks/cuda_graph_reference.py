@@ -10,12 +10,12 @@ Three loop bodies, all computing ``while i < n: i += 1; x = lerp(x, c, 0.5)`` ov
 
 ``minimal``  2 kernels: ``x = x + 0.5 (c - x)`` in place, then one thread does
              ``i += 1; set(h, i < n)`` -- the issue's reference body.
-``same``     the 3 kernel nodes our lowering emits for that program, one for one:
-             ``j = i + 1``, ``y = lerp(x, c)``, and one step kernel that copies
-             ``i <- j; x <- y`` and sets ``h = j < n`` (all NVRTC kernels here).
-``torch``    the same 3 nodes, but ``j = i + 1`` and ``y = lerp(x, c)`` are torch's own
-             kernels (captured from ``torch.add(out=)`` / ``torch.lerp(out=)``) -- what
-             separates ours from ``same`` if the node layout is equal: torch's kernels.
+``same``     the 2 kernel nodes our lowering emits for that program, one for one:
+             ``y = lerp(x, c)`` into a second buffer, and one step kernel that copies
+             ``x <- y``, does ``i += 1`` and sets ``h = i < n`` (NVRTC kernels here).
+``torch``    the same 2 nodes, but ``y = lerp(x, c)`` is torch's own kernel (captured
+             from ``torch.lerp(out=)``) -- what separates ours from ``same`` when the
+             node layout is equal: torch's kernel.
 
 Run: ``python benchmarks/cuda_graph_reference.py`` (prints per-iteration times).
 """
@@ -40,14 +40,13 @@ extern "C" __global__ void lerp_half_inplace(float* x, const float* c, int n) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k < n) x[k] = c[k] - (c[k] - x[k]) * 0.5f;
 }
-// copy i <- j and x <- y, then one thread sets h = (j < n): the step node of our lowering
-extern "C" __global__ void copy2_set(cudaGraphConditionalHandle h, long long* i, const long long* j,
-                                     const long long* n, float* x, const float* y, int numel) {
+// copy x <- y; one thread does i += 1 and sets h = (i < n): the step node of our lowering
+extern "C" __global__ void copy_inc_set(cudaGraphConditionalHandle h, long long* i, const long long* n,
+                                        float* x, const float* y, int numel) {
     int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k == 0) { *i = *j; cudaGraphSetConditional(h, *j < *n ? 1u : 0u); }
+    if (k == 0) { long long v = *i + 1; *i = v; cudaGraphSetConditional(h, v < *n ? 1u : 0u); }
     for (; k < numel; k += gridDim.x * blockDim.x) x[k] = y[k];
 }
-extern "C" __global__ void inc(const long long* i, long long* j) { *j = *i + 1; }
 extern "C" __global__ void start(cudaGraphConditionalHandle h, long long* i, const long long* n) {
     *i = 0; cudaGraphSetConditional(h, 0 < *n ? 1u : 0u);
 }
@@ -85,10 +84,9 @@ class ReferenceLoop:
         self.ctx = _ok(cu.cuCtxGetCurrent())
         self.module = _ok(cu.cuModuleLoadData(cubin))
         k = {name: _ok(cu.cuModuleGetFunction(self.module, name.encode())) for name in
-             ("lerp_half", "lerp_half_inplace", "copy2_set", "inc", "start", "step_and_set")}
+             ("lerp_half", "lerp_half_inplace", "copy_inc_set", "start", "step_and_set")}
         self.x, self.c, self.n = x, c, n
         self.i = torch.zeros((), dtype=torch.int64, device=x.device)
-        self.j = torch.zeros_like(self.i)
         self.y = torch.empty_like(x)
         numel = x.numel()
         blocks = (numel + 255) // 256
@@ -125,16 +123,14 @@ class ReferenceLoop:
             launch(b, k["step_and_set"], 1, 1, (int(h), self.i.data_ptr(), n.data_ptr()), (U64, PTR, PTR))
         elif body in ("same", "torch"):
             if body == "same":
-                launch(b, k["inc"], 1, 1, (self.i.data_ptr(), self.j.data_ptr()), (PTR, PTR))
                 launch(b, k["lerp_half"], blocks, 256, (x.data_ptr(), c.data_ptr(), self.y.data_ptr(), numel),
                        (PTR, PTR, PTR, I32))
             else:
                 with torch.cuda.stream(side):  # torch launches on `side`, which is capturing into the body
-                    torch.add(self.i, 1, out=self.j)
                     torch.lerp(x, c, 0.5, out=self.y)
-            launch(b, k["copy2_set"], blocks, 256,
-                   (int(h), self.i.data_ptr(), self.j.data_ptr(), n.data_ptr(), x.data_ptr(), self.y.data_ptr(), numel),
-                   (U64, PTR, PTR, PTR, PTR, PTR, I32))
+            launch(b, k["copy_inc_set"], blocks, 256,
+                   (int(h), self.i.data_ptr(), n.data_ptr(), x.data_ptr(), self.y.data_ptr(), numel),
+                   (U64, PTR, PTR, PTR, PTR, I32))
         else:
             raise ValueError(body)
         _ok(cu.cuStreamEndCapture(b))

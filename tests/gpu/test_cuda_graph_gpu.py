@@ -110,8 +110,8 @@ def test_while_loop_trip_counts_change_without_recapture():
     m = lower(ep, (x, c, scalar(10)))
     assert m.conditional_nodes == {"IF": 0, "WHILE": 1, "SWITCH": 0}
     assert m.graph_nodes is not None and m.graph_nodes.by_type.get("CONDITIONAL") == 1
-    # a trip is i + 1, lerp, and ONE step kernel (copy both carries back, i < n, set the handle)
-    assert m.graph_nodes.bodies[0].by_type == {"KERNEL": 3}, m.graph_nodes.summary()
+    # a trip is lerp and ONE step kernel (copy x back, i += 1, i < n, set the handle)
+    assert m.graph_nodes.bodies[0].by_type == {"KERNEL": 2}, m.graph_nodes.summary()
     ref = ep.module()
     check(m, ref, [(x, c, scalar(n)) for n in (10, 0, 1, 1000, 3)])
 
@@ -127,9 +127,9 @@ def test_cond_inside_while_one_node_and_two_nodes_agree():
     one_body, two_body = one.graph_nodes.bodies[0], two.graph_nodes.bodies[0]
     assert one_body.by_type["CONDITIONAL"] == 1 and two_body.by_type["CONDITIONAL"] == 2
     assert len(one_body.bodies) == len(two_body.bodies) == 2
-    # loop body: i + 1, sum, set (compares sum > 0 itself), IF, step; each branch: mul and add/sub
-    # writing the IF's output buffer in place (no copy node)
-    assert one_body.by_type == {"KERNEL": 4, "CONDITIONAL": 1}, one.graph_nodes.summary()
+    # loop body: sum, set (compares sum > 0 itself), IF, step (i += 1 too); each branch: mul and
+    # add/sub writing the IF's output buffer in place (no copy node)
+    assert one_body.by_type == {"KERNEL": 3, "CONDITIONAL": 1}, one.graph_nodes.summary()
     assert all(b.by_type == {"KERNEL": 2} for b in one_body.bodies), one.graph_nodes.summary()
     check(one, ep.module(), cases)
     check(two, ep.module(), cases)
@@ -180,15 +180,15 @@ def test_switch_inside_while_clamps_out_of_range_indices_on_the_device():
     x = torch.randn(1 << 16, device=DEV)
     m = lower(program, (scalar(0), x, ks))
     assert m.conditional_nodes == {"IF": 0, "WHILE": 1, "SWITCH": 1}
-    # a step: i + 1, index_select, set_index (clamps), SWITCH, step; a branch: mul, add into the output
+    # a step: index_select, set_index (clamps), SWITCH, step (i += 1); a branch: mul, add into the output
     body = m.graph_nodes.bodies[0]
-    assert body.by_type == {"KERNEL": 4, "CONDITIONAL": 1}, m.graph_nodes.summary()
+    assert body.by_type == {"KERNEL": 3, "CONDITIONAL": 1}, m.graph_nodes.summary()
     assert len(body.bodies) == 8 and all(b.by_type == {"KERNEL": 2} for b in body.bodies), m.graph_nodes.summary()
     chain = lower(program, (scalar(0), x, ks), switch="if_chain")
     assert chain.conditional_nodes == {"IF": 8, "WHILE": 1, "SWITCH": 0}
-    assert chain.graph_nodes.bodies[0].by_type == {"KERNEL": 4, "CONDITIONAL": 8}, chain.graph_nodes.summary()
+    assert chain.graph_nodes.bodies[0].by_type == {"KERNEL": 3, "CONDITIONAL": 8}, chain.graph_nodes.summary()
     each = lower(program, (scalar(0), x, ks), switch="if_chain_each")
-    assert each.graph_nodes.bodies[0].by_type == {"KERNEL": 11, "CONDITIONAL": 8}, each.graph_nodes.summary()
+    assert each.graph_nodes.bodies[0].by_type == {"KERNEL": 10, "CONDITIONAL": 8}, each.graph_nodes.summary()
     cases = [
         ks,
         torch.tensor(EVERY_INDEX * 8 + EVERY_INDEX[:4], device=DEV),

@@ -518,10 +518,13 @@ class RecordingBuilder:
     def new_handle(self):
         return object()
 
-    def set_predicate(self, handles, pred, *, copies=(), counter=None, reset=False):
+    def set_predicate(self, handles, pred, *, copies=(), counter=None, reset=False, increment=None):
         for dst, src in copies:
             dst.copy_(src)
-        self._log("step", getattr(pred, "op", "flag"), len(handles), len(copies), counter is not None, reset)
+        if increment is not None:
+            increment[0].add_(increment[1])
+        by = None if increment is None else increment[1]
+        self._log("step", getattr(pred, "op", "flag"), len(handles), len(copies), counter is not None, reset, by)
 
     def set_from_index(self, handle, index, n):
         self._log("set_index", n)
@@ -574,10 +577,10 @@ def test_a_loop_trip_ends_in_one_step_call_that_compares_and_copies(monkeypatch)
     ep = torch.export.export(Countdown(), args)
     calls = record_capture(monkeypatch, ep, args)
     # before the loop: the carries copied in, the predicate i < n evaluated by the set kernel itself
-    assert calls["top"] == [("copy", 2), ("step", "lt", 1, 0, False, True), ("WHILE", 1)]
-    # each trip: body ops, then ONE step: copy both carries back, compare the new i with n, set
+    assert calls["top"] == [("copy", 2), ("step", "lt", 1, 0, False, True, None), ("WHILE", 1)]
+    # each trip: body ops, then ONE step: copy x back, i += 1 (the body's i + 1), compare with n, set
     (body,) = [k for k in calls if "WHILE" in k]
-    assert calls[body] == [("step", "lt", 1, 2, False, False)]
+    assert calls[body] == [("step", "lt", 1, 1, False, False, 1)]
     i, y = calls["result"]
     assert i.item() == 1  # the body ran once during capture
 
@@ -585,9 +588,9 @@ def test_a_loop_trip_ends_in_one_step_call_that_compares_and_copies(monkeypatch)
 def test_max_iterations_counts_in_the_step_kernel(monkeypatch):
     args = (torch.randn(8), torch.randn(8), torch.tensor(5))
     calls = record_capture(monkeypatch, torch.export.export(Countdown(), args), args, max_iterations=9)
-    assert calls["top"][1] == ("step", "lt", 1, 0, True, True)  # resets the counter
+    assert calls["top"][1] == ("step", "lt", 1, 0, True, True, None)  # resets the counter
     (body,) = [k for k in calls if "WHILE" in k]
-    assert calls[body] == [("step", "lt", 1, 2, True, False)]
+    assert calls[body] == [("step", "lt", 1, 1, True, False, 1)]
 
 
 def test_branch_outputs_are_written_in_place_and_predicates_compared_by_the_set_kernel(monkeypatch):
@@ -595,7 +598,7 @@ def test_branch_outputs_are_written_in_place_and_predicates_compared_by_the_set_
     calls = record_capture(monkeypatch, torch.export.export(CountdownWithCond(), args), args)
     (loop,) = [k for k in calls if k.count("/") == 1]
     # y.sum() > 0 feeds only the cond: no gt kernel, the set kernel compares the sum with 0
-    assert calls[loop] == [("step", "gt", 1, 0, False, False), ("IF", 2), ("step", "lt", 1, 2, False, False)]
+    assert calls[loop] == [("step", "gt", 1, 0, False, False, None), ("IF", 2), ("step", "lt", 1, 1, False, False, 1)]
     branches = [k for k in calls if k.count("/") == 2]
     assert len(branches) == 2 and all(calls[b] == [("copy", 0)] for b in branches)  # t * 2 / t - 1 wrote in place
 
@@ -619,7 +622,7 @@ def test_nested_conds_pass_their_output_buffers_down(monkeypatch):
         leaves = [k for k in calls if k.count("/") == 2]
         assert len(leaves) == 4 and all(calls[b] == [("copy", 0)] for b in leaves)  # no copy at any level
         inner = [k for k in calls if k.count("/") == 1]
-        assert all(calls[b] == [("step", "le", 1, 0, False, False), ("IF", 2), ("copy", 0)] for b in inner)
+        assert all(calls[b] == [("step", "le", 1, 0, False, False, None), ("IF", 2), ("copy", 0)] for b in inner)
         # capture runs every branch once: the outputs hold the last (else) branch's value
         assert torch.equal(calls["result"][0], torch.full((3,), 5.0))
 
@@ -634,3 +637,45 @@ def test_switch_index_is_read_as_is_and_if_chains_set_handles(monkeypatch):
         assert all(calls[b] == [("copy", 0)] for b in calls if "SWITCH" in b)
     calls = record_capture(monkeypatch, sw, (torch.tensor(1), torch.ones(4)), switch="if_chain")
     assert calls["top"] == [("set_onehot", 3, 8), ("IF", 1), ("IF", 1), ("IF", 1)]
+
+
+@pytest.mark.parametrize(
+    "cond_fn, body_fn, fused",
+    [
+        (lambda i, y, n: i < n, lambda i, y, n: (i + 1, y * i), True),  # y * i reads the old i: still fine
+        (lambda i, y, n: n > i, lambda i, y, n: (2 + i, y + 1), True),  # mirrored both ways
+        (lambda i, y, n: i < n, lambda i, y, n: ((i + 1), y * (i + 1)), True),  # two separate adds: one is the carry
+        (lambda i, y, n: (i < n) & (y.sum() < 100), lambda i, y, n: (i + 1, y + 1), False),  # i read by a kernel
+        (lambda i, y, n: i * 2 < n, lambda i, y, n: (i + 1, y + 1), False),  # i read by a kernel
+        (lambda i, y, n: i < n, lambda i, y, n: (i + 1.5, y + 1), False),  # not an integer step (carry check fails)
+    ],
+)
+def test_a_counter_carry_is_incremented_by_the_step_kernel_only_when_nothing_else_needs_the_sum(
+    monkeypatch, cond_fn, body_fn, fused
+):
+    program = while_program(cond_fn, body_fn, n_carry=2, n_additional=1)
+    args = (torch.tensor(0), torch.ones(3), torch.tensor(4))
+    try:
+        calls = record_capture(monkeypatch, program, args)
+    except UnsupportedGraphError:
+        assert not fused  # i + 1.5 changes the carry's dtype: rejected before capture
+        return
+    (body,) = [k for k in calls if "WHILE" in k]
+    step = calls[body][-1]
+    assert step[0] == "step" and (step[-1] is not None) == fused, calls[body]
+    i, y = calls["result"]  # the capture ran the body once: one trip's values either way
+    want_i, want_y = body_fn(*args)
+    assert torch.equal(i, want_i) and torch.equal(y, want_y)
+
+
+def test_a_sum_used_twice_is_not_moved_into_the_step_kernel(monkeypatch):
+    from torch.fx import symbolic_trace
+
+    def body(i, y, n):
+        j = i + 1
+        return j, y * j
+
+    program = while_program(lambda i, y, n: i < n, symbolic_trace(body), n_carry=2, n_additional=1)
+    calls = record_capture(monkeypatch, program, (torch.tensor(0), torch.ones(3), torch.tensor(4)))
+    (body_key,) = [k for k in calls if "WHILE" in k]
+    assert calls[body_key] == [("step", "lt", 1, 2, False, False, None)]  # i and y copied, no increment

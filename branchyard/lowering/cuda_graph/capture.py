@@ -118,6 +118,7 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         *,
         targets: Sequence[torch.Tensor] | None = None,
         defer_predicate: bool = False,
+        substitute: dict[Node, Any] | None = None,
     ):
         super().__init__(gm, garbage_collect_values=False)
         self.extra_traceback = False  # our errors already name the node; keep messages short
@@ -131,6 +132,8 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         if targets is not None and ctx.phase is Phase.CAPTURE:
             self._plan_targets(list(targets))
         self.defer_predicate = defer_predicate and ctx.phase is Phase.CAPTURE
+        #: CAPTURE: nodes not run at all, their value given (a counter the step kernel increments)
+        self.substitute = (substitute or {}) if ctx.phase is Phase.CAPTURE else {}
 
     def _plan_targets(self, targets: list[torch.Tensor]) -> None:
         """Map each graph output to the buffer it should land in (used by conditional-node bodies).
@@ -173,18 +176,20 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         *,
         targets: Sequence[torch.Tensor] | None = None,
         defer_predicate: bool = False,
+        substitute: dict[Node, Any] | None = None,
     ) -> tuple:
         """Run a body/branch (a GraphModule, or any callable) one level down; outputs as a tuple.
 
         While capturing, ``targets`` are buffers the outputs should be written into
         where an op can do so in place (compare each output with its target before
-        copying), and ``defer_predicate`` lets a final 0-d comparison come back as a
-        :class:`~.patterns.Comparison` for the set kernel instead of a bool tensor.
+        copying), ``defer_predicate`` lets a final 0-d comparison come back as a
+        :class:`~.patterns.Comparison` for the set kernel instead of a bool tensor, and
+        ``substitute`` maps nodes of ``fn`` to values used instead of running them.
         """
         path = (*self.path, f"node {self._node.name!r}" if self._node is not None else "?", label)
         if isinstance(fn, GraphModule):
             sub = ControlFlowInterpreter(
-                fn, self.ctx, path, self.depth + 1, targets=targets, defer_predicate=defer_predicate
+                fn, self.ctx, path, self.depth + 1, targets=targets, defer_predicate=defer_predicate, substitute=substitute
             )
             out = sub.run(*args)
         else:
@@ -205,6 +210,8 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
     # -- Interpreter overrides ---------------------------------------------------
     def run_node(self, n: Node) -> Any:
         self._node = n
+        if n in self.substitute:
+            return self.substitute[n]
         if self.ctx.phase is Phase.CAPTURE and n.op == "call_function" and _in(n.target, COMPARISONS):
             if self._feeds_only_conditionals(n):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)

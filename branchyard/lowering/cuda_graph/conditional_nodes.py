@@ -18,8 +18,9 @@ torch's own ``torch.cuda.graph`` capture is in progress:
 
 Semantics of the kernels, as Python (``n`` = number of SWITCH bodies)::
 
-    step(h, pred, copies, counter):   # one node: what a loop trip needs after its body
+    step(h, pred, copies, counter, increment):   # one node: what a loop trip needs after its body
         for dst, src in copies: dst[:] = src[:]          # up to four dense loop carries
+        if increment: t, k = increment; t += k           # a counter carry's `i + k`
         v = pred.lhs <op> pred.rhs if pred is a Comparison else bool(pred)
         if counter:                                       # max_iterations
             counter.count = 0 if reset else counter.count + 1
@@ -115,6 +116,7 @@ __device__ __forceinline__ void by_copy(char* d, const char* s, unsigned long lo
 
 // Everything a conditional node needs after its body, in ONE kernel node:
 //   copy up to four dense loop carries (new value -> carry buffer), then one thread
+//   adds inc_by to a 0-d integer counter carry (the body's `i + 1`, left to this kernel),
 //   evaluates the predicate (on the new values, which the copies do not touch),
 //   counts the trip against max_iterations and sets the handle(s).
 // count: null, or the trip counter (reset != 0: set it to 0 -- the set before a WHILE node).
@@ -123,6 +125,7 @@ extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGra
                                            int has_else, int op, int dtype, const void* a, const void* b,
                                            long long ia, long long ib, double fa, double fb,
                                            long long* count, long long limit, int reset, bool* exhausted,
+                                           void* inc, long long inc_by, int inc_dtype,
                                            int ncopy,
                                            char* d0, const char* s0, unsigned long long b0,
                                            char* d1, const char* s1, unsigned long long b1,
@@ -135,6 +138,10 @@ extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGra
     if (ncopy > 2) by_copy(d2, s2, b2, tid, stride);
     if (ncopy > 3) by_copy(d3, s3, b3, tid, stride);
     if (tid != 0) return;
+    if (inc) {  // unsigned arithmetic: wraps like torch's integer add, without C++'s overflow UB
+        if (inc_dtype == 1) *(unsigned long long*)inc += (unsigned long long)inc_by;
+        else *(unsigned int*)inc += (unsigned int)inc_by;
+    }
     bool v = by_predicate(op, dtype, a, b, ia, ib, fa, fb);
     if (count) {
         long long c = reset ? 0 : *count + 1;
@@ -363,6 +370,7 @@ class ConditionalBuilder:
         copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         counter: "TripCounter | None" = None,
         reset: bool = False,
+        increment: tuple[torch.Tensor, int] | None = None,
     ) -> None:
         """Capture ONE step kernel: ``dst.copy_(src)`` for ``copies``, then ``handles[0] = pred``
         (and ``handles[1] = not pred`` for an IF pair).
@@ -370,8 +378,9 @@ class ConditionalBuilder:
         ``pred`` is a 0-d bool tensor or a :class:`~.patterns.Comparison` the kernel
         evaluates itself. With a ``counter`` the trip is counted (``reset``: set to 0,
         the set before a WHILE node) and a predicate that holds at the limit stops the
-        loop and sets the counter's ``exhausted`` flag. Copies that are not dense and
-        same-layout, and all but the last four dense ones, go before it.
+        loop and sets the counter's ``exhausted`` flag. ``increment=(t, k)`` adds ``k``
+        to the 0-d int64/int32 tensor ``t`` before the predicate is read. Copies that
+        are not dense and same-layout, and all but the last four dense ones, go before it.
         """
         from branchyard.lowering.cuda_graph.patterns import COMPARE_CODES, DTYPE_CODES, Comparison
 
@@ -393,14 +402,24 @@ class ConditionalBuilder:
         count_ptr, limit, exhausted = 0, 0, 0
         if counter is not None:
             count_ptr, limit, exhausted = counter.count.data_ptr(), counter.limit, counter.exhausted.data_ptr()
+        inc, inc_by, inc_dtype = 0, 0, 0
+        if increment is not None:
+            t, inc_by = increment
+            if t.dtype not in (torch.int64, torch.int32) or t.dim() != 0 or not t.is_cuda:
+                raise LoweringError(
+                    f"the step kernel increments a 0-d int64/int32 CUDA tensor, got {t.dtype} of shape {tuple(t.shape)}",
+                    where="loop counter",
+                )
+            inc, inc_dtype = t.data_ptr(), DTYPE_CODES[t.dtype]
         h_else = int(handles[1]) if len(handles) > 1 else 0
         args = (int(handles[0]), h_else, int(len(handles) > 1), op, dtype, a, b, ia, ib, fa, fb,
-                count_ptr, limit, int(reset), exhausted, *self._copy_args(dense))
+                count_ptr, limit, int(reset), exhausted, inc, int(inc_by), inc_dtype, *self._copy_args(dense))
         types = (ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_double, ctypes.c_double,
-                 ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p) + self._COPY_TYPES
+                 ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p,
+                 ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int) + self._COPY_TYPES
         self._launch("branchyard_step", args, types, grid=self._copy_blocks(dense), block=256 if dense else 1)
-        self._keepalive.append((pred, dense, counter))
+        self._keepalive.append((pred, dense, counter, increment))
 
     def set_from_index(self, handle: Any, index: torch.Tensor, n: int) -> None:
         """Capture a set kernel: ``handle = clamp(index, 0, n - 1)`` (any integer dtype)."""

@@ -9,6 +9,7 @@ ones while warming up) and how it is *captured* into a conditional node::
         evaluate: check carries and predicate; run cond_fn, body_fn, cond_fn once
         capture:  bufs <- carried; step(h, cond_fn(*bufs))
                   WHILE(h) { new = body_fn(*bufs); step(h, cond_fn(*new), bufs <- new) }
+                  (a counter carry's `i + k` becomes the step kernel's `i += k`)
         run:      (eager fallback) a host loop, stopped after max_iterations trips
     cond(pred, true_fn, false_fn, operands)
         evaluate: check predicate; run both branches; branch outputs must agree
@@ -224,10 +225,16 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
         return p
 
     handle = b.new_handle()
-    b.set_predicate((handle,), predicate(bufs), counter=counter, reset=True)
+    first = predicate(bufs)
+    b.set_predicate((handle,), first, counter=counter, reset=True)
+    counter_carry = _counter_carry(body_fn, cond_fn, bufs, first)
+    skip, increment = {}, None
+    if counter_carry is not None:  # the body's `i + k` becomes the step kernel's `i += k`
+        k, node, by = counter_carry
+        skip, increment = {node: bufs[k]}, (bufs[k], by)
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
-        outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn"))
+        outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn", substitute=skip))
         # A carry returned unchanged needs no write-back. Anything else that shares memory with a
         # carry buffer (a swap, a transpose of itself) is read into a fresh tensor before any write.
         unchanged = [_same_view(o, buf) for o, buf in zip(outs, bufs)]
@@ -238,8 +245,44 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
         # The predicate reads the new values, so the copies back can share its kernel node.
         pred = predicate(outs)
         copies = [(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same]
-        b.set_predicate((handle,), pred, counter=counter, copies=copies)
+        b.set_predicate((handle,), pred, counter=counter, copies=copies, increment=increment)
     return tuple(bufs)
+
+
+def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_predicate: Any) -> tuple | None:
+    """``(k, node, by)`` when carry ``k`` is a counter the step kernel can increment, else None.
+
+    That is: body_fn returns ``bufs[k] + by`` (``by`` a Python int, ``bufs[k]`` a 0-d
+    int64/int32 tensor) computed by ``node``, which nothing else reads; and cond_fn
+    reads carry ``k`` only as an operand of the comparison it returns, evaluated by
+    the set kernel (so after the increment). Other readers of carry ``k`` in the body
+    see the old value, as they should: the increment runs after the body.
+    """
+    from branchyard.lowering.cuda_graph.patterns import Comparison, match_increment
+
+    if not isinstance(body_fn, torch.fx.GraphModule) or not isinstance(cond_fn, torch.fx.GraphModule):
+        return None
+    body_inputs = [n for n in body_fn.graph.nodes if n.op == "placeholder"]
+    cond_inputs = [n for n in cond_fn.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in reversed(body_fn.graph.nodes) if n.op == "output")
+    outs = list(out_node.args[0]) if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    cond_out = next(n for n in reversed(cond_fn.graph.nodes) if n.op == "output").args[0]
+    cond_out = cond_out[0] if isinstance(cond_out, (tuple, list)) and len(cond_out) == 1 else cond_out
+    for k, buf in enumerate(bufs):
+        if buf.dim() != 0 or buf.dtype not in (torch.int64, torch.int32) or k >= min(len(outs), len(body_inputs)):
+            continue
+        node = outs[k]
+        by = match_increment(node, body_inputs[k])
+        if by is None or len(node.users) != 1 or outs.count(node) != 1:
+            continue
+        info = torch.iinfo(buf.dtype)
+        if not info.min <= by <= info.max:
+            continue
+        readers = set(cond_inputs[k].users) if k < len(cond_inputs) else set()
+        if readers and not (readers == {cond_out} and isinstance(first_predicate, Comparison)):
+            continue
+        return k, node, by
+    return None
 
 
 def _while_run(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:

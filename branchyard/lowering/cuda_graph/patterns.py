@@ -10,6 +10,13 @@ set kernel reads ``a`` and ``b`` and compares them itself::
 
     before: p = lt(i, n); set(h, p)          after: set_cmp(h, "lt", &i, &n)
 
+**Counters the step kernel increments.** A loop carry the body returns as
+``i + k`` (``i`` a 0-d integer carry, ``k`` a Python int, the sum used for
+nothing else) while ``cond_fn`` reads ``i`` only through a comparison the
+set kernel evaluates: the addition moves into the loop's step kernel::
+
+    before: j = add(i, 1); step(h, j < n, i <- j)       after: step(h, i += 1; i < n)
+
 **Outputs written in place.** An op whose result is a branch's output and that
 has an ``out=`` form writes straight into the conditional node's output buffer,
 so no copy node follows it::
@@ -29,7 +36,16 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["COMPARE_CODES", "DTYPE_CODES", "COMPARISONS", "Comparison", "match_comparison", "out_form"]
+__all__ = [
+    "COMPARE_CODES",
+    "DTYPE_CODES",
+    "COMPARISONS",
+    "INCREMENTS",
+    "Comparison",
+    "match_comparison",
+    "match_increment",
+    "out_form",
+]
 
 log = logging.getLogger("branchyard")
 aten = torch.ops.aten
@@ -146,6 +162,28 @@ def _hashable(target: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+# --------------------------------------------------------------------------- counters
+#: FX targets of ``a + b`` (with no ``alpha``).
+INCREMENTS = frozenset({operator.add, torch.add, aten.add.Tensor, aten.add.Scalar})
+
+
+def match_increment(node: Any, of: Any) -> int | None:
+    """``k`` if the FX ``node`` computes ``of + k`` (or ``k + of``) for a Python int ``k``, else None.
+
+    Structure only: the caller checks dtypes and that nothing else reads the sum.
+    """
+    if getattr(node, "op", None) != "call_function" or not _hashable(node.target) or node.target not in INCREMENTS:
+        return None
+    if node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if a is of and isinstance(b, int) and not isinstance(b, bool):
+        return b
+    if b is of and isinstance(a, int) and not isinstance(a, bool):
+        return a
+    return None
 
 
 # --------------------------------------------------------------------------- out= forms

@@ -361,7 +361,7 @@ def drop_implied_range_checks(gm: torch.fx.GraphModule) -> int:
                 continue
             try:
                 solutions = sympy.solve(eq.lhs - eq.rhs, sym)
-            except (NotImplementedError, TypeError):
+            except Exception:  # sympy cannot solve it (NotImplementedError, PolynomialError, ...): keep the checks
                 continue
             if len(solutions) != 1 or sym in solutions[0].free_symbols:
                 continue

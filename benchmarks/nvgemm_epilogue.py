@@ -21,7 +21,9 @@ bfloat16. Chains: bias+gelu(erf), bias+silu, bias+gelu(tanh)+residual,
 scale+residual.
 
 Columns (median microseconds of CUDA-event timings, a 256 MiB buffer zeroed
-before every timed run so L2 holds none of the operands):
+before every timed run so L2 holds none of the operands; each callable is
+captured in a CUDA graph and its replays are timed, so every column is device
+time and none pays for host dispatch -- ``--timing eager`` times plain calls):
 
 * ``mm``       -- plain ``torch.mm`` (no epilogue: the floor a fused kernel aims at)
 * ``aten``     -- the unfused ATen chain (``mm`` then one kernel per op)
@@ -38,7 +40,8 @@ before every timed run so L2 holds none of the operands):
 * ``op``       -- ``torch.ops.branchyard.fused_gemm_epilogue`` end to end,
                   after the op's own autotuner picked (named in ``picked``)
                   among the candidates of docs/nvgemm.md, with a fresh winner
-                  database (it really tunes)
+                  database (it really tunes); the JSON also has ``op_eager``,
+                  the op called eagerly (its Python dispatch included)
 
 How the sweep stays tractable without handicapping a column:
 
@@ -247,6 +250,49 @@ def prebuild(plan: list[tuple], dtype, args) -> None:
 # --- one row --------------------------------------------------------------------------
 
 
+def make_timer(args, row):
+    """``time_us(fn)``: median µs of ``fn`` with L2 flushed before every run.
+
+    ``--timing graph`` (default) captures ``fn`` once in a CUDA graph and
+    times its replays, so every column is the device time of its kernels and
+    none pays for host dispatch (at M <= 128 a GEMM takes ~20 µs, less than
+    the Python and launch overhead of a multi-kernel chain, a compiled
+    function's guards or a custom op). A callable that cannot be captured is
+    timed eagerly and the row says so. ``--timing eager`` times every call as
+    issued.
+    """
+    from branchyard.lowering.nvgemm import autotune as at
+
+    def eager(fn):
+        return at.cuda_event_timer(fn, reps=args.reps) * 1e3
+
+    if args.timing == "eager":
+        return eager
+
+    def graphed(fn):
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graph asks
+                fn()
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as exc:
+            torch.cuda.synchronize()
+            row["notes"].append(f"CUDA-graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly")
+            return eager(fn)
+        try:
+            return eager(graph.replay)
+        finally:
+            del graph
+
+    return graphed
+
+
+
 def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
     from branchyard.lowering.nvgemm import autotune as at
     from branchyard.lowering.nvgemm import fused_gemm_epilogue
@@ -257,7 +303,7 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
     problem = at.Problem.of(a, b_kn, ops, spec)
     ref = reference_fused_gemm(a, w, ops, spec)
     row: dict = {"m": m, "n": n, "k": k, "chain": chain, "dtype": str(dtype).removeprefix("torch."), "notes": []}
-    time_us = lambda fn: at.cuda_event_timer(fn, reps=args.reps) * 1e3  # noqa: E731
+    time_us = make_timer(args, row)
 
     row["mm"] = time_us(lambda: torch.mm(a, b_kn))
     row["aten"] = time_us(lambda: unfused_aten_epilogue(torch.mm(a, b_kn), problem.spec, ops))
@@ -320,7 +366,10 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
             row["notes"].append(fallback[0])
             row["op"], row["picked"] = None, "reference"
         else:
-            row["op"] = time_us(lambda: fused_gemm_epilogue(a, w, ops, str(spec)))
+            text = str(spec)
+            row["op"] = time_us(lambda: fused_gemm_epilogue(a, w, ops, text))
+            # As an eager caller sees it: the op's Python dispatch is not hidden by a graph.
+            row["op_eager"] = at.cuda_event_timer(lambda: fused_gemm_epilogue(a, w, ops, text), reps=args.reps) * 1e3
             (res,) = tuner.results.values()
             row["picked"] = res.winner
             row["picked_tuned_us"] = res.timings[res.winner] * 1e3
@@ -390,6 +439,13 @@ def targets(rows: list[dict]) -> list[str]:
         out.append(f"[{'PASS' if not bad else 'FAIL'}] autotuned op (end to end) within 2% of the best column: "
                    f"{len(ob) - len(bad)}/{len(ob)} rows (worst {worst:.3f}x: M={wr['m']} N={wr['n']} K={wr['k']} "
                    f"{wr['chain']}, picked {wr.get('picked')})")
+    eager = [(r["op_eager"] / min(r[c] for c in CANDIDATE_COLUMNS if r.get(c) is not None), r) for r in rows
+             if r.get("op_eager") is not None and any(r.get(c) is not None for c in CANDIDATE_COLUMNS)]
+    if eager:
+        worst, wr = max(eager, key=lambda t: t[0])
+        out.append(f"(info) the op called eagerly (host dispatch included) vs the best column: "
+                   f"{sum(1 for x, _ in eager if x <= 1.02)}/{len(eager)} rows within 2% (worst {worst:.3f}x at "
+                   f"M={wr['m']} N={wr['n']} K={wr['k']} {wr['chain']})")
     picked = [r for r in rows if r.get("picked_tuned_us") is not None]
     if picked:
         ratios = [r["picked_tuned_us"] / min(r[c] for c in CANDIDATE_COLUMNS if r.get(c) is not None) for r in picked]
@@ -536,6 +592,8 @@ def main(argv=None) -> int:
     p.add_argument("--prebuild-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the CuTeDSL kernels up front (0: compile in the rows)")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--timing", choices=["graph", "eager"], default="graph",
+                   help="time CUDA-graph replays of each callable (device time, default) or eager calls")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop before a row that would end past this many seconds from the start")
     p.add_argument("--jsonl", default=str(DEFAULT_DIR / "rows.jsonl"),
@@ -599,7 +657,11 @@ def main(argv=None) -> int:
                       flush=True)
                 break
             t0 = time.time()
-            row = run_row(m, n, k, chain, dtype, args, db_dir)
+            try:
+                row = run_row(m, n, k, chain, dtype, args, db_dir)
+            except Exception as exc:  # record it and go on: one broken row must not end the sweep
+                row = {"m": m, "n": n, "k": k, "chain": chain, "dtype": args.dtype, "mm": None,
+                       "notes": [f"row failed: {type(exc).__name__}: {str(exc)[:300]}"]}
             row["row_s"] = round(time.time() - t0, 1)
             row["source"] = source
             spent[(first, m)] = max(spent.get((first, m), 0.0), row["row_s"])

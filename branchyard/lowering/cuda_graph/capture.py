@@ -3,7 +3,7 @@
 :class:`ControlFlowInterpreter` is a ``torch.fx.Interpreter`` whose
 ``call_function`` sends ``while_loop``, ``cond`` and ``switch`` to the handler
 table (:mod:`.handlers`) and runs every other node as torch would. The same
-walk serves three phases (:class:`Phase`):
+walk serves four phases (:class:`Phase`):
 
 ``VALIDATE``  on fake tensors: every body and branch runs once; predicates,
               loop carries, branch outputs, devices and RNG are checked.
@@ -12,14 +12,15 @@ walk serves three phases (:class:`Phase`):
               handles, Triton autotuning, allocator growth) happens before capture.
 ``CAPTURE``   inside ``torch.cuda.graph``: plain ops are captured as they run;
               control flow becomes conditional nodes whose bodies are captured
-              by recursion on side streams. Two patterns (:mod:`.patterns`)
-              save nodes: a 0-d comparison feeding a conditional node is left
-              to the set kernel, and a branch output is written in place by an
-              op's ``out=`` form.
+              by recursion on side streams. Patterns (:mod:`.patterns`) save
+              nodes: a 0-d comparison feeding a conditional node is left to
+              the set kernel, a loop counter's ``i + k`` to the loop's step
+              kernel, and a branch output is written in place by an op's
+              ``out=`` form.
 ``EAGER``     the fallback without CUDA when ``max_iterations`` is set: control
               flow runs on the host, loops stopped after ``max_iterations`` trips.
 
-:class:`CudaGraphModule` drives the three phases and replays the graph.
+:class:`CudaGraphModule` drives the phases and replays the graph.
 """
 
 from __future__ import annotations

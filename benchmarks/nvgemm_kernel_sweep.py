@@ -17,9 +17,11 @@ Prints one row per (shape, chain, candidate) and a summary per (shape, chain).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
+import statistics
 import sys
 import time
 
@@ -60,6 +62,16 @@ def bench(fn, rep_ms: int = 60) -> float:
     return times[len(times) // 2]
 
 
+def bench_round_robin(fns: dict, rounds: int = 5, rep_ms: int = 25) -> dict:
+    """Median over ``rounds`` of each function's :func:`bench`, taking the functions in
+    turn every round, so that a clock that drifts during the run biases no column."""
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn, rep_ms))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def config_from_name(name: str) -> cg.GemmConfig:
     """The GemmConfig whose ``.name`` is ``name`` (t{M}x{N}_c{CM}x{CN}_o{O}[_rtma][_pp])."""
     found = re.fullmatch(r"t(\d+)x(\d+)_c(\d)x(\d)_o(\d)(_rtma)?(_pp)?", name)
@@ -86,6 +98,7 @@ def main() -> int:
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--shapes", help="M,N,K;M,N,K;... (overrides the defaults)")
     parser.add_argument("--chains", help="comma-separated names from CHAINS")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds per (shape, chain)")
     parser.add_argument("--configs", help="comma-separated config names (default: candidate_configs per shape)")
     args = parser.parse_args()
     ok, why = cg.cutedsl_available()
@@ -102,6 +115,14 @@ def main() -> int:
     chains = args.chains.split(",") if args.chains else list(CHAINS)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, dtype {args.dtype}")
     rows, summary = [], []
+    # Heat the GPU to its steady clock first: the first seconds of a run are faster.
+    warm = torch.randn(8192, 8192, device="cuda", dtype=dtype)
+    t_end = time.time() + 3.0
+    while time.time() < t_end:
+        for _ in range(20):
+            warm @ warm
+        torch.cuda.synchronize()
+    del warm
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=dtype) / k**0.25
         w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.25
@@ -110,24 +131,19 @@ def main() -> int:
             spec = EpilogueSpec.parse(text)
             ops = operands_for(spec, m, n, dtype)
             ref = reference_fused_gemm(a, w, ops, spec)
-            # mm again for every chain: its time drifts over a long run (clocks, power)
-            t_mm = bench(lambda: F.linear(a, w))
-            t_unfused = bench(lambda: unfused_aten_epilogue(F.linear(a, w), spec, ops))
-            t_addmm = float("nan")
-            if chain == "bias+gelu_tanh+res":
-                t_addmm = bench(lambda: torch._addmm_activation(ops[0], a, w.t(), use_gelu=True) + ops[1])
             best = (math.inf, "")
             configs = (
                 [config_from_name(c) for c in args.configs.split(",")]
                 if args.configs
                 else cg.candidate_configs(m, n, k, dtype)
             )
+            runnable, checked = {}, {}
             for config in configs:
                 t0 = time.time()
                 try:
                     fn = cg.compile_fused_gemm(spec, dtype, config)
                 except Exception as exc:  # report and go on: one broken config must not end the sweep
-                    print(f"  {chain:20s} {config.name:18s} COMPILE FAILED {str(exc)[:300]}")
+                    print(f"  {chain:20s} {config.name:24s} COMPILE FAILED {str(exc)[:300]}")
                     continue
                 compile_s = time.time() - t0
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
@@ -136,14 +152,26 @@ def main() -> int:
                 err = (out.float() - ref.float()).abs().max().item()
                 scale = max(1.0, ref.float().abs().max().item())
                 good = not out.isnan().any().item() and err <= 3e-2 * scale
-                t = bench(lambda: fn(a, w.t(), ops, out)) if good else float("nan")
-                row = dict(m=m, n=n, k=k, chain=chain, config=config.name, us=t, err=err, ok=good,
+                checked[config.name] = (err, good, compile_s)
+                if good:
+                    runnable[config.name] = functools.partial(fn, a, w.t(), ops, out)
+            # One round-robin: clock drift (the H200 slows as it heats) hits every column alike.
+            fns = {"mm": lambda: F.linear(a, w), "unfused": lambda: unfused_aten_epilogue(F.linear(a, w), spec, ops)}
+            if chain == "bias+gelu_tanh+res":
+                fns["addmm_act"] = lambda: torch._addmm_activation(ops[0], a, w.t(), use_gelu=True) + ops[1]
+            times = bench_round_robin({**fns, **runnable}, rounds=args.rounds)
+            t_mm, t_unfused = times["mm"], times["unfused"]
+            t_addmm = times.get("addmm_act", float("nan"))
+            for name, (err, good, compile_s) in checked.items():
+                t = times.get(name, float("nan"))
+                row = dict(m=m, n=n, k=k, chain=chain, config=name, us=t, err=err, ok=good,
                            compile_s=compile_s, mm_us=t_mm, unfused_us=t_unfused, addmm_act_us=t_addmm)
                 rows.append(row)
-                print(f"  {m:5d}x{n:5d}x{k:5d} {chain:20s} {config.name:24s} {t:9.1f} us  err {err:.2e} "
-                      f"{'ok ' if good else 'BAD'} compile {compile_s:.1f}s  mm {t_mm:.1f} unfused {t_unfused:.1f}", flush=True)
+                print(f"  {m:5d}x{n:5d}x{k:5d} {chain:20s} {name:24s} {t:9.1f} us  x{t / t_mm:.3f} mm  "
+                      f"err {err:.2e} {'ok ' if good else 'BAD'} compile {compile_s:.1f}s  mm {t_mm:.1f} "
+                      f"unfused {t_unfused:.1f}", flush=True)
                 if good and t < best[0]:
-                    best = (t, config.name)
+                    best = (t, name)
             summary.append((m, n, k, chain, t_mm, t_unfused, t_addmm, best[0], best[1]))
             if args.json:  # after every chain, so that a run cut short keeps what it measured
                 with open(args.json, "w") as fh:

@@ -448,3 +448,20 @@ def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last
         vals.store(x)
         for j in range(chunk):
             acc[start + j] = vals[j]
+
+
+def apply_tail(steps, x, residual):
+    """Steps from the residual on, over one fp32 vector ``x``: the first step adds
+    ``residual`` (the matching fp32 values), the rest take no tensor operand."""
+    from branchyard.lowering.nvgemm.cutedsl_gemm import _CuteMath, kernel_formula
+
+    m = _CuteMath()
+    for i, step in enumerate(steps):
+        fn = kernel_formula(step)
+        if i == 0:
+            x = fn(x, residual, m)
+        elif step.operand == "scalar":
+            x = fn(x, step.value, m)
+        else:
+            x = fn(x, m)
+    return x

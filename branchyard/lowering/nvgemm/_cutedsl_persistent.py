@@ -55,7 +55,7 @@ def build_persistent_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
-    from branchyard.lowering.nvgemm._cutedsl_kernel import apply_steps
+    from branchyard.lowering.nvgemm._cutedsl_kernel import apply_steps, apply_tail
     from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K, persistent_stages
 
     class PersistentGemmKernel:
@@ -70,9 +70,27 @@ def build_persistent_class() -> type:
             self.cluster_mn = (config.cluster_m, 1)
             self.acc_dtype = cutlass.Float32
             self.epi_tile = (64, min(32, config.tile_n))
+            self.n_sub = (config.tile_m // 64) * (config.tile_n // self.epi_tile[1])
             self.sm_count = _sm_count()
-            mats = [s.index for s in steps if s.operand == "mat"]
-            self.tma_mat = mats[0] if config.residual_tma and mats else None
+            self._split(config.residual_tma)
+
+        def _split(self, residual_tma: bool) -> None:
+            """``head`` steps run on the whole fragment after the main loop; ``tail`` steps
+            (from the TMA residual on) run per epilogue sub-tile, with the residual read
+            from shared memory by ``ldmatrix`` in the very layout ``stmatrix`` writes the
+            output in (conflict-free, no per-element addresses). That needs every step
+            after the residual to be operand-free; otherwise all matrix operands are
+            gathered from global memory in ``head``."""
+            first = next((i for i, s in enumerate(self.steps) if s.operand == "mat"), None)
+            tail_free = first is not None and all(
+                s.operand in ("none", "scalar", "cast") for s in self.steps[first + 1 :]
+            )
+            if residual_tma and tail_free:
+                self.tma_mat = self.steps[first].index
+                self.head, self.tail = self.steps[:first], self.steps[first:]
+            else:
+                self.tma_mat = None
+                self.head, self.tail = self.steps, ()
 
         # ------------------------------------------------------------------ host
         @cute.jit
@@ -93,11 +111,10 @@ def build_persistent_class() -> type:
             )
             tm, tn = self.tile_mnk[0], self.tile_mnk[1]
             # A residual of more than 16 bits would take two 64 KiB buffers: gather it instead.
+            if cutlass.const_expr(self.tma_mat is not None):
+                if cutlass.const_expr(operands[self.tma_mat].element_type.width != 16):
+                    self._split(False)
             tma_mat = self.tma_mat
-            if cutlass.const_expr(tma_mat is not None):
-                if cutlass.const_expr(operands[tma_mat].element_type.width > 16):
-                    tma_mat = None
-            self.tma_mat = tma_mat
             res_bytes = 2 * tm * tn * 2 if tma_mat is not None else 0
             stages = persistent_stages(tm, tn, res_bytes)
             sA_layout = sm90.make_smem_layout_a(a_layout, self.tile_mnk, ab_dtype, stages)
@@ -132,17 +149,17 @@ def build_persistent_class() -> type:
             if cutlass.const_expr(tma_mat is not None):
                 mR = operands[tma_mat]
                 r_dtype = mR.element_type
-                # Row-major and unswizzled: each thread's elements are then its base address plus
-                # constants (folded into the loads), where a swizzled tile needs one register per
-                # element address -- registers a 168-register persistent loop cannot spare.
-                sR_layout = cute.make_layout((tm, tn, 2), stride=(tn, 1, tm * tn))
+                # The residual tile as the output's epilogue sub-tiles (same swizzled layout),
+                # one buffer per sub-tile per consumer warpgroup.
+                self.r_layout = utils.LayoutEnum.from_tensor(mR)
+                sR_layout = sm90.make_smem_layout_epi(r_dtype, self.r_layout, self.epi_tile, 2 * self.n_sub)
                 tma_r, gR = cute.nvgpu.cpasync.make_tiled_tma_atom(
                     cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                     mR,
                     cute.slice_(sR_layout, (None, None, 0)),
-                    (tm, tn),
+                    self.epi_tile,
                 )
-                self.r_bytes = cute.size_in_bytes(r_dtype, cute.slice_(sR_layout, (None, None, 0)))
+                self.r_bytes = self.n_sub * cute.size_in_bytes(r_dtype, cute.slice_(sR_layout, (None, None, 0)))
 
             cm = self.cluster_mn[0]
             tiles_m = (mC.shape[0] + tm - 1) // tm
@@ -206,7 +223,7 @@ def build_persistent_class() -> type:
             sC_layout: cute.ComposedLayout,
             tma_r: cute.CopyAtom,
             gR_full: cute.Tensor,
-            sR_layout: Any,
+            sR_layout: cute.ComposedLayout,
             tiles_m: cutlass.Int32,
             tiles_n: cutlass.Int32,
             cluster_tiles: cutlass.Int32,
@@ -338,16 +355,17 @@ def build_persistent_class() -> type:
                 gC_tiles = cute.local_tile(gC_full, (tm, tn), (None, None))  # (tm, tn, RestM, RestN)
                 coord_tiles = cute.local_tile(cute.make_identity_tensor(mC.shape), (tm, tn), (None, None))
 
-                sR = None
-                tRsR, tRgR = None, None
                 my_res_bar = res_bar + c
+                sR, tSR_sR, s2r, gR_tiles = None, None, None, None
                 if cutlass.const_expr(self.tma_mat is not None):
-                    sR_all = storage.sR.get_tensor(sR_layout)
-                    sR = sR_all[(None, None, c)]
-                    gR = cute.local_tile(gR_full, (tm, tn), (None, None))
-                    tRsR, tRgR = cute.nvgpu.cpasync.tma_partition(
-                        tma_r, 0, cute.make_layout(1), cute.group_modes(sR_all, 0, 2), cute.group_modes(gR, 0, 2)
+                    sR = storage.sR.get_tensor(sR_layout.outer, swizzle=sR_layout.inner)
+                    gR_tiles = cute.local_tile(gR_full, (tm, tn), (None, None))
+                    # ldmatrix, partitioned like the stmatrix store: its registers line up with `sub`.
+                    ldmatrix_atom = cute.make_copy_atom(
+                        cute.nvgpu.warp.LdMatrix8x8x16bOp(self.r_layout.is_m_major_c(), 4), sR.element_type
                     )
+                    s2r = cute.make_tiled_copy_S(ldmatrix_atom, cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma))
+                    tSR_sR = s2r.get_slice(ltid).partition_S(sR)
 
                 # The pipeline position of this warpgroup's first k-tile: after the other's tile if c == 1.
                 read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -360,9 +378,20 @@ def build_persistent_class() -> type:
                     tile_m, tile_n = self._tile_of(t, tiles_m, tiles_n, rank)
                     if cutlass.const_expr(self.tma_mat is not None):
                         if first_warp:
+                            gR_epi = cute.zipped_divide(gR_tiles[(None, None, tile_m, tile_n)], self.epi_tile)
+                            tRsR, tRgR = cute.nvgpu.cpasync.tma_partition(
+                                tma_r, 0, cute.make_layout(1), cute.group_modes(sR, 0, 2), gR_epi
+                            )
                             with cute.arch.elect_one():
                                 cute.arch.mbarrier_arrive_and_expect_tx(my_res_bar, self.r_bytes)
-                            cute.copy(tma_r, tRgR[(None, tile_m, tile_n)], tRsR[(None, c)], tma_bar_ptr=my_res_bar)
+                            for sm in cutlass.range_constexpr(n_sub_m):
+                                for sn in cutlass.range_constexpr(n_sub_n):
+                                    cute.copy(
+                                        tma_r,
+                                        tRgR[(None, (sm, sn))],
+                                        tRsR[(None, c * self.n_sub + sm * n_sub_n + sn)],
+                                        tma_bar_ptr=my_res_bar,
+                                    )
                     # Wait for the other warpgroup to issue its last k-tile (not for this CTA's first tile):
                     # then this warpgroup's first k-tile is at most one ring phase ahead of the producer.
                     if t >= first_tile + num_clusters:
@@ -391,14 +420,13 @@ def build_persistent_class() -> type:
                     release.advance(k_tiles)
 
                     # ---- epilogue in registers
-                    if cutlass.const_expr(len(self.steps) > 0):
-                        if cutlass.const_expr(self.tma_mat is not None):
-                            cute.arch.mbarrier_wait(my_res_bar, done % 2)
+                    if cutlass.const_expr(len(self.head) > 0):
                         coords = thr_c.partition_C(coord_tiles[(None, None, tile_m, tile_n)])
                         apply_steps(
-                            self.steps, self.tma_mat, acc, coords, local, sR, operands,
-                            mC.shape[0] - 1, mC.shape[1] - 1,
+                            self.head, None, acc, coords, local, None, operands, mC.shape[0] - 1, mC.shape[1] - 1
                         )
+                    if cutlass.const_expr(self.tma_mat is not None):
+                        cute.arch.mbarrier_wait(my_res_bar, done % 2)
 
                     # ---- cast -> stmatrix -> TMA store, one epi sub-tile at a time
                     gC_epi = cute.zipped_divide(gC_tiles[(None, None, tile_m, tile_n)], self.epi_tile)
@@ -412,6 +440,10 @@ def build_persistent_class() -> type:
                             s = sm * n_sub_n + sn
                             for v in cutlass.range_constexpr(sub_size):
                                 sub[v] = tRS_acc[s * sub_size + v]
+                            if cutlass.const_expr(self.tma_mat is not None):
+                                res = cute.make_rmem_tensor_like(sub_layout, sR.element_type)
+                                cute.copy(s2r, tSR_sR[(None, None, None, c * self.n_sub + s)], res)
+                                sub.store(apply_tail(self.tail, sub.load(), res.load().to(self.acc_dtype)))
                             out_frag = cute.make_rmem_tensor_like(sub_layout, c_dtype)
                             out_frag.store(sub.load().to(c_dtype))
                             buf = c * _EPI_BUFFERS + s % _EPI_BUFFERS

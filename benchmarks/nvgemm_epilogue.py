@@ -250,7 +250,11 @@ def prebuild(plan: list[tuple], dtype, args) -> None:
 # --- one row --------------------------------------------------------------------------
 
 
-def make_timer(args, row):
+#: H200 limits no timing of a whole GEMM can beat: dense 16-bit wgmma peak and HBM bandwidth.
+_PEAK_FLOPS, _PEAK_BYTES_S = 0.99e15, 4.8e12
+
+
+def make_timer(args, row, floor_us: float = 0.0):
     """``time_us(fn)``: median µs of ``fn`` with L2 flushed before every run.
 
     ``--timing graph`` (default) captures ``fn`` once in a CUDA graph and
@@ -258,8 +262,10 @@ def make_timer(args, row):
     none pays for host dispatch (at M <= 128 a GEMM takes ~20 µs, less than
     the Python and launch overhead of a multi-kernel chain, a compiled
     function's guards or a custom op). A callable that cannot be captured is
-    timed eagerly and the row says so. ``--timing eager`` times every call as
-    issued.
+    timed eagerly and the row says so, as is one whose replay beats
+    ``floor_us`` (the GEMM's FLOPs at peak or its weight read at full HBM
+    bandwidth): work launched outside the capture would not be in the graph.
+    ``--timing eager`` times every call as issued.
     """
     from branchyard.lowering.nvgemm import autotune as at
 
@@ -285,12 +291,15 @@ def make_timer(args, row):
             row["notes"].append(f"CUDA-graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly")
             return eager(fn)
         try:
-            return eager(graph.replay)
+            t = eager(graph.replay)
         finally:
             del graph
+        if t < 0.9 * floor_us:
+            row["notes"].append(f"a graph replay took {t:.1f} us, below the {floor_us:.1f} us floor; timed eagerly")
+            return eager(fn)
+        return t
 
     return graphed
-
 
 
 def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
@@ -303,7 +312,8 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
     problem = at.Problem.of(a, b_kn, ops, spec)
     ref = reference_fused_gemm(a, w, ops, spec)
     row: dict = {"m": m, "n": n, "k": k, "chain": chain, "dtype": str(dtype).removeprefix("torch."), "notes": []}
-    time_us = make_timer(args, row)
+    floor_us = max(2.0 * m * n * k / _PEAK_FLOPS, 2.0 * n * k / _PEAK_BYTES_S) * 1e6
+    time_us = make_timer(args, row, floor_us)
 
     row["mm"] = time_us(lambda: torch.mm(a, b_kn))
     row["aten"] = time_us(lambda: unfused_aten_epilogue(torch.mm(a, b_kn), problem.spec, ops))

@@ -12,8 +12,8 @@ docs/benchmarks.md) and, with ``--json PATH``, the raw figures.
 2. An 8-way switch inside a 1000-step loop, four lowerings of the same
    program: one SWITCH node (ours); 8 IF nodes whose handles one kernel sets
    (XLA's lowering of an n-way case); 8 IF nodes with a set kernel each; and
-   the balanced tree of ``torch.cond`` that ``switch_to_cond`` makes (3 nested
-   IF/ELSE levels), lowered by us. Plus a host loop calling an
+   the balanced tree of ``torch.cond`` that ``switch_to_cond`` makes (the index
+   clamped, then 3 nested IF/ELSE levels), lowered by us. Plus a host loop calling an
    Inductor-compiled step with one ``.item()`` per step.
 3. cond inside a 1000-step loop: one IF/ELSE node vs two IF nodes.
 4. Nested loops (100 outer x 10 inner trips).
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import operator
 import os
 import platform
 import statistics
@@ -39,7 +38,7 @@ from torch._higher_order_ops.while_loop import while_loop
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from branchyard.lowering.cuda_graph import CudaGraphFallbackWarning, cuda_graph  # noqa: E402
-from branchyard.lowering.cuda_graph.fx_builders import switch_module, trace, while_loop_module  # noqa: E402
+from branchyard.lowering.cuda_graph.fx_builders import cond_tree_module, switch_module, trace, while_loop_module  # noqa: E402
 
 DEV = "cuda"
 N = 1 << 16
@@ -183,28 +182,14 @@ def switch_loop():
     return branches, while_loop_module(lambda i, x, ks: i < ks.shape[0], trace(Body()), num_carried=2, num_additional=1)
 
 
-def cond_tree(branches, lo: int, hi: int) -> torch.fx.GraphModule:
-    """``(index, x) -> (branches[clamp(index)](x),)`` as switch_to_cond's balanced tree: cond(index <= mid - 1, ...)."""
-    if hi - lo == 1:
-        return torch.fx.symbolic_trace(lambda index, x: (branches[lo](x),))
-    mid = (lo + hi) // 2
-    root = torch.nn.Module()
-    root.left, root.right = cond_tree(branches, lo, mid), cond_tree(branches, mid, hi)
-    g = torch.fx.Graph()
-    index, x = g.placeholder("index"), g.placeholder("x")
-    pred = g.call_function(operator.le, (index, mid - 1))
-    c = g.call_function(torch.ops.higher_order.cond, (pred, g.get_attr("left"), g.get_attr("right"), (index, x)))
-    g.output((g.call_function(operator.getitem, (c, 0)),))
-    return torch.fx.GraphModule(root, g)
-
-
 def tree_loop(branches):
-    """The switch loop after switch_to_cond (built here: torch 2.11 has no switch op for the pass to rewrite)."""
+    """The switch loop after switch_to_cond: fx_builders.cond_tree_module builds the pass's
+    structure by hand, since torch 2.11 has no switch op for the pass to rewrite."""
 
     class Body(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.tree = cond_tree(branches, 0, len(branches))
+            self.tree = cond_tree_module(branches, num_operands=1)
 
         def forward(self, i, x, ks):
             return i + 1, self.tree(torch.index_select(ks, 0, i.view(1)).reshape(()), x)[0]
@@ -216,7 +201,7 @@ SWITCH_LOWERINGS = (
     ("one SWITCH node (**ours**)", "switch", dict()),
     ('8 IF nodes, one set kernel for all (XLA-style, `switch="if_chain"`)', "switch", dict(switch="if_chain")),
     ('8 IF nodes, a set kernel each (`switch="if_chain_each"`)', "switch", dict(switch="if_chain_each")),
-    ("`switch_to_cond` tree: 3 nested IF/ELSE levels", "tree", dict()),
+    ("`switch_to_cond`'s tree (clamp, then 3 nested IF/ELSE levels)", "tree", dict()),
 )
 
 

@@ -9,7 +9,6 @@ errors (torch.cuda.set_sync_debug_mode("error")) during replay.
 from __future__ import annotations
 
 import contextlib
-import operator
 import warnings
 
 import pytest
@@ -20,7 +19,7 @@ import branchyard.lowering
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import LoweringError
 from branchyard.lowering.cuda_graph import CudaGraphFallbackWarning, cuda_graph, cuda_graph_backend
-from branchyard.lowering.cuda_graph.fx_builders import switch_module, trace, while_loop_module
+from branchyard.lowering.cuda_graph.fx_builders import cond_tree_module, switch_module, trace, while_loop_module
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -207,24 +206,9 @@ def test_switch_inside_while_clamps_out_of_range_indices_on_the_device():
             assert torch.equal(y, ref)
 
 
-def _cond_tree(branches, lo, hi):
-    """switch_to_cond's balanced tree: ``(index, x) -> (branches[clamp(index)](x),)``."""
-    if hi - lo == 1:
-        return torch.fx.symbolic_trace(lambda index, x: (branches[lo](x),))
-    mid = (lo + hi) // 2
-    root = torch.nn.Module()
-    root.left, root.right = _cond_tree(branches, lo, mid), _cond_tree(branches, mid, hi)
-    g = torch.fx.Graph()
-    index, x = g.placeholder("index"), g.placeholder("x")
-    pred = g.call_function(operator.le, (index, mid - 1))
-    c = g.call_function(torch.ops.higher_order.cond, (pred, g.get_attr("left"), g.get_attr("right"), (index, x)))
-    g.output((g.call_function(operator.getitem, (c, 0)),))
-    return torch.fx.GraphModule(root, g)
-
-
 def test_nested_cond_tree_of_a_switch_writes_one_buffer_without_copies():
     branches = [(lambda k: lambda x: x * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
-    tree = _cond_tree(branches, 0, 8)
+    tree = cond_tree_module(branches, num_operands=1)  # switch_to_cond's structure
     x = torch.randn(4096, device=DEV)
     m = lower(tree, (scalar(3), x))
     assert m.conditional_nodes["IF"] == 7
@@ -233,8 +217,10 @@ def test_nested_cond_tree_of_a_switch_writes_one_buffer_without_copies():
         if depth == 3:  # a leaf branch: mul and add, the add writing the tree's output buffer
             assert count.by_type == {"KERNEL": 2}, m.graph_nodes.summary()
             return
-        # each level: one set kernel (comparing index <= mid - 1 itself) and the IF/ELSE node
-        assert count.by_type == {"KERNEL": 1, "CONDITIONAL": 1}, m.graph_nodes.summary()
+        # each level: one set kernel (comparing index <= mid - 1 itself) and the IF/ELSE node;
+        # the top clamps the index first
+        want = {"KERNEL": 2 if depth == 0 else 1, "CONDITIONAL": 1}
+        assert count.by_type == want, m.graph_nodes.summary()
         for b in count.bodies:
             walk(b, depth + 1)
 

@@ -679,3 +679,48 @@ def test_a_sum_used_twice_is_not_moved_into_the_step_kernel(monkeypatch):
     calls = record_capture(monkeypatch, program, (torch.tensor(0), torch.ones(3), torch.tensor(4)))
     (body_key,) = [k for k in calls if "WHILE" in k]
     assert calls[body_key] == [("step", "lt", 1, 2, False, False, None)]  # i and y copied, no increment
+
+
+def _targets_in(gm: torch.nn.Module) -> dict[str, int]:
+    """call_function targets, by name, across ``gm`` and every graph module inside it."""
+    counts: dict[str, int] = {}
+    for mod in gm.modules():
+        if isinstance(mod, GraphModule):
+            for n in mod.graph.nodes:
+                if n.op == "call_function" and n.target is not operator.getitem:
+                    name = str(getattr(n.target, "_name", None) or getattr(n.target, "__name__", n.target))
+                    counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="switch_to_cond rewrites torch.ops.higher_order.switch (torch >= 2.14)")
+def test_cond_tree_module_is_what_switch_to_cond_makes(monkeypatch):
+    from torch._higher_order_ops.switch import switch as torch_switch
+
+    from branchyard.lowering.cuda_graph.fx_builders import cond_tree_module
+    from branchyard.passes.switch_to_cond import switch_to_cond
+
+    branches = [(lambda k: lambda t: t * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
+
+    class S(torch.nn.Module):
+        def forward(self, k, x):
+            return torch_switch(k, branches, (x,))
+
+    args = (torch.tensor(3), torch.randn(16))
+    by_pass = switch_to_cond(torch.export.export(S(), args))
+    by_hand = cond_tree_module(branches, num_operands=1)
+    want = {"aten::clamp": 1, "aten::le.Scalar": 7, "cond": 7, "aten::mul.Tensor": 8, "aten::add.Tensor": 8}
+    assert _targets_in(by_pass.graph_module) == want
+    hand = _targets_in(by_hand)
+    assert hand.pop("mul") == 8 and hand.pop("add") == 8  # the branches as traced (operator.mul / add)
+    assert hand == {k: v for k, v in want.items() if k in ("aten::clamp", "aten::le.Scalar", "cond")}
+    # and the lowering captures both the same way: clamp, then per level one set kernel and IF/ELSE
+    recorded = [
+        [calls for key, calls in record_capture(monkeypatch, program, args).items() if key != "result"]
+        for program in (by_pass, by_hand)
+    ]
+    assert recorded[0] == recorded[1]
+    for k in (-3, 0, 1, 2, 3, 4, 5, 6, 7, 12):
+        x = torch.randn(16)
+        (got,) = by_hand(torch.tensor(k), x)
+        assert torch.equal(got, branches[min(max(k, 0), 7)](x))

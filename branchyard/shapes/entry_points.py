@@ -215,9 +215,8 @@ def export(
                     raise diagnosis from err
             _raise_explained(err, inputs, spec)
             raise
-    if strict:
-        _check_strict_kept_symbols(ep, inputs)
-    insert_dim_checks(ep.graph_module, inputs.var_of_symbol())
+    var_of_symbol = _strict_symbols(ep, inputs, binding) if strict else inputs.var_of_symbol()
+    insert_dim_checks(ep.graph_module, var_of_symbol)
     # for checked_module(): the spec and the signature its keys name
     ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
     return ep
@@ -235,9 +234,11 @@ def _check_strict_supported(binding: Binding) -> None:
     """
     order = {name: i for i, name in enumerate(binding.arguments.signature.parameters)}
     seen: set[str] = set()
-    for leaf in sorted(binding.leaves, key=lambda leaf: order.get(leaf.keys[0], len(order))):
-        dims = leaf.entry.dims if isinstance(leaf.entry, TensorEntry) else (leaf.entry.dim,)
-        for i, dim in enumerate(dims):
+    # int arguments do not count: they are tied to their vars by a torch._check
+    # inside the trace, which works in any order
+    tensors = [leaf for leaf in binding.leaves if isinstance(leaf.entry, TensorEntry)]
+    for leaf in sorted(tensors, key=lambda leaf: order.get(leaf.keys[0], len(order))):
+        for i, dim in enumerate(leaf.entry.dims):
             if not isinstance(dim, DimExpr):
                 continue
             if dim.is_var:
@@ -245,7 +246,7 @@ def _check_strict_supported(binding: Binding) -> None:
                 continue
             unmet = sorted(set(dim.vars) - seen)
             if unmet:
-                slot = f"{leaf.path} dim {i}" if isinstance(leaf.entry, TensorEntry) else leaf.path
+                slot = f"{leaf.path} dim {i}"
                 raise ShapeSpecError(
                     f"{dim} comes before any slot where ShapeVar {unmet[0]!r} is the whole dim; with strict=True, "
                     "torch 2.14.1's export (Dynamo) would give it a symbol of its own, tied to nothing",
@@ -255,23 +256,57 @@ def _check_strict_supported(binding: Binding) -> None:
                 )
 
 
-def _check_strict_kept_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs) -> None:
-    """After a strict export, every input size must still be built from the vars' symbols."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+def _strict_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs, binding: Binding) -> dict[Any, str]:
+    """After a strict export: Dynamo's symbol for each var, checking that every
+    declared tensor dim is still that expression of them.
 
-    ours = {str(s) for s in inputs.var_of_symbol()}
-    for node in ep.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if node.name not in ep.graph_signature.user_inputs or not isinstance(val, torch.Tensor):
+    Dynamo numbers symbols in its own order (an int argument first takes
+    ``u0``), so the symbols are found by position: the tensor user inputs
+    follow the flattened example inputs, and a var's symbol is its anchor dim's.
+    """
+    import sympy
+    from torch.utils import _pytree as pytree
+
+    flat = [t for t in pytree.tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
+    user = set(ep.graph_signature.user_inputs)
+    placeholders = [
+        n for n in ep.graph.find_nodes(op="placeholder") if n.name in user and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    if len(flat) != len(placeholders):
+        raise ShapeSpecError(
+            f"strict export has {len(placeholders)} tensor inputs for {len(flat)} example tensors; "
+            "cannot match its symbols to the ShapeVars",
+            hint="use the default non-strict export",
+        )
+    traced = {id(fake): node for fake, node in zip(flat, placeholders)}
+    fakes = {id(leaf): leaf.get(binding.arguments.arguments) for leaf in binding.leaves}
+
+    def size(leaf: Leaf, i: int) -> Any:
+        node = traced[id(fakes[id(leaf)])]
+        return node, node.meta["val"].shape[i]
+
+    symbols: dict[str, Any] = {}
+    for name, leaf in binding.anchor.items():
+        if isinstance(leaf.entry, TensorEntry):
+            i = next(i for i, d in enumerate(leaf.entry.dims) if isinstance(d, DimExpr) and d.is_var and d.name == name)
+            symbols[name] = size(leaf, i)[1].node.expr
+    for leaf in binding.leaves:
+        if not isinstance(leaf.entry, TensorEntry):
             continue
-        for i, d in enumerate(val.shape):
-            extra = {str(s) for s in free_unbacked_symbols(d)} - ours
-            if extra:
+        for i, dim in enumerate(leaf.entry.dims):
+            if not isinstance(dim, DimExpr) or not set(dim.vars) <= set(symbols):
+                continue
+            node, actual = size(leaf, i)
+            got = actual.node.expr if isinstance(actual, torch.SymInt) else sympy.Integer(actual)
+            expected = dim.expr.xreplace({v.symbol: symbols[n] for n, v in dim.vars.items()})
+            if sympy.simplify(got - expected) != 0:
                 raise ShapeSpecError(
-                    f"strict export gave input {node.name} dim {i} a symbol of its own ({d}); "
+                    f"strict export traced {leaf.path} dim {i} as {got}, not {dim} = {expected}; "
                     "its relation to the ShapeVars would go unchecked",
+                    where=f"argument {leaf.keys[0]!r}",
                     hint="use the default non-strict export",
                 )
+    return {sym: name for name, sym in symbols.items()}
 
 
 def _diagnose_with_make_fx(fn: Any, spec: ShapesSpec, args: tuple, kwargs: dict | None) -> BaseException | None:
@@ -616,8 +651,10 @@ def _share_range_checks(compile_kwargs: dict[str, Any]) -> None:
     """Route ``compile_kwargs``'s backend through :class:`_OneRangeCheckPerVar` (in place).
 
     ``mode`` / ``options`` are consumed here, the way ``torch.compile`` would;
-    the two options ``torch.compile`` itself reads stay with it.
+    ``guard_filter_fn``, an option ``torch.compile`` reads itself, stays with it.
     """
+    if compile_kwargs.get("mode") is not None and compile_kwargs.get("options") is not None:
+        return  # torch.compile refuses both at once; let it say so
     options = dict(compile_kwargs.get("options") or {})
     if options.get("use_aoti"):
         _warn_once("aoti", "branchyard.shapes.compile with use_aoti: shared vars keep Dynamo's range check per input")

@@ -757,3 +757,25 @@ def test_export_falls_back_to_torchs_native_spec_without_the_binding_step(monkey
         shapes.export(f, args, spec=spec)
     # a spec with no derived tensor dim never needs the binding step: no fallback
     assert len(shapes.export(add3, ARGS3, spec=SHARED).range_constraints) == 1
+
+
+def test_strict_export_matches_symbols_by_position_when_an_int_comes_first():
+    """Dynamo numbers its symbols in argument order: the int takes u0 here, so
+    batch is u1 in the strict program; the dim checks must still name batch."""
+    steps = ShapeVar("steps", min=1, max=32)
+
+    def f(n, x, y):
+        return torch.cat([x, x])[:n] + y[:n]
+
+    spec = {"n": steps, "x": (batch, 4), "y": (2 * batch, 4)}
+    ep = shapes.export(f, (3, torch.randn(4, 4), torch.randn(8, 4)), spec=spec, strict=True)
+    assert "branchyard.shapes: input y dim 0 must equal 2*batch" in assert_messages(ep.graph_module)
+    x, y = torch.randn(6, 4), torch.randn(12, 4)
+    torch.testing.assert_close(ep.module()(5, x, y), f(5, x, y))
+    with pytest.raises(Exception, match=r"input y dim 0 must equal 2\*batch|y.size\(\)\[0\]"):
+        ep.module()(5, x, torch.randn(11, 4))
+
+
+def test_compile_leaves_mode_with_options_to_torchs_own_error():
+    with pytest.raises(RuntimeError, match="Either mode or options can be specified"):
+        shapes.compile(add3, spec=SHARED, backend="inductor", mode="default", options={"max_autotune": False})

@@ -208,6 +208,7 @@ def _aliases(t: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
 
 def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:
     from branchyard.lowering.cuda_graph.conditional_nodes import CondKind, TripCounter
+    from branchyard.lowering.cuda_graph.patterns import Comparison
 
     ctx, b = interp.ctx, interp.ctx.builder
     # One static buffer per carry (never write the inputs), filled by one copy kernel.
@@ -228,9 +229,9 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
     first = predicate(bufs)
     b.set_predicate((handle,), first, counter=counter, reset=True)
     counter_carry = _counter_carry(body_fn, cond_fn, bufs, first)
-    skip, increment = {}, None
+    skip, increment, read_by_predicate = {}, None, False
     if counter_carry is not None:  # the body's `i + k` becomes the step kernel's `i += k`
-        k, node, by = counter_carry
+        k, node, by, read_by_predicate = counter_carry
         skip, increment = {node: bufs[k]}, (bufs[k], by)
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
@@ -244,13 +245,20 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
         interp.keep(outs)
         # The predicate reads the new values, so the copies back can share its kernel node.
         pred = predicate(outs)
+        if read_by_predicate and not isinstance(pred, Comparison):
+            # A torch kernel reading the counter would run before the step kernel increments it.
+            raise LoweringError(
+                "internal: the loop predicate was evaluated by the set kernel before the loop but not inside it",
+                where=interp.where(),
+            )
         copies = [(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same]
         b.set_predicate((handle,), pred, counter=counter, copies=copies, increment=increment)
     return tuple(bufs)
 
 
 def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_predicate: Any) -> tuple | None:
-    """``(k, node, by)`` when carry ``k`` is a counter the step kernel can increment, else None.
+    """``(k, node, by, read)`` when carry ``k`` is a counter the step kernel can increment, else None
+    (``read``: cond_fn reads it, so the predicate must stay a comparison for the set kernel).
 
     That is: body_fn returns ``bufs[k] + by`` (``by`` a Python int, ``bufs[k]`` a 0-d
     int64/int32 tensor) computed by ``node``, which nothing else reads; and cond_fn
@@ -281,7 +289,7 @@ def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_p
         readers = set(cond_inputs[k].users) if k < len(cond_inputs) else set()
         if readers and not (readers == {cond_out} and isinstance(first_predicate, Comparison)):
             continue
-        return k, node, by
+        return k, node, by, bool(readers)
     return None
 
 

@@ -66,19 +66,25 @@ def bench_round_robin(fns: dict, rounds: int = 5, rep_ms: int = 25) -> dict:
     """Median over ``rounds`` of each function's :func:`bench`, taking the functions in
     turn every round, so that a clock that drifts during the run biases no column."""
     times: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench(fn, rep_ms))
+    order = list(fns)
+    for r in range(rounds):
+        # Each round starts one further along: no column always follows the same one
+        # (a kernel timed right after a cooler, memory-bound one ran up to 5% faster).
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            times[name].append(bench(fns[name], rep_ms))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
 def config_from_name(name: str) -> cg.GemmConfig:
-    """The GemmConfig whose ``.name`` is ``name`` (t{M}x{N}_c{CM}x{CN}_o{O}[_rtma][_pp])."""
-    found = re.fullmatch(r"t(\d+)x(\d+)_c(\d)x(\d)_o(\d)(_rtma)?(_pp)?", name)
+    """The GemmConfig whose ``.name`` is ``name`` (t{M}x{N}_c{CM}x{CN}_o{O}[_rtma][_pp][_g{raster}])."""
+    found = re.fullmatch(r"t(\d+)x(\d+)_c(\d)x(\d)_o(\d)(_rtma)?(_pp)?(?:_g(\d+))?", name)
     if not found:
         raise SystemExit(f"--configs: {name!r} is not a config name like t128x128_c1x1_o1_rtma_pp")
     tm, tn, cm, cn, occ = (int(v) for v in found.groups()[:5])
-    return cg.GemmConfig(tm, tn, cm, cn, occ, residual_tma=bool(found.group(6)), persistent=bool(found.group(7)))
+    group = int(found.group(8) or 8)
+    return cg.GemmConfig(
+        tm, tn, cm, cn, occ, raster_group=group, residual_tma=bool(found.group(6)), persistent=bool(found.group(7))
+    )
 
 
 def operands_for(spec: EpilogueSpec, m: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:

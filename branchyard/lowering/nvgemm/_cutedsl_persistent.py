@@ -31,7 +31,6 @@ _CONSUMER_REGS = 232
 # Named barriers (0 is __syncthreads): the two order barriers, then one per consumer's epilogue.
 _ORDER_BAR = 1
 _EPI_BAR = 3
-_EPI_BUFFERS = 4
 
 
 def _sm_count() -> int:
@@ -56,6 +55,7 @@ def build_persistent_class() -> type:
     import cutlass.utils.hopper_helpers as sm90
 
     from branchyard.lowering.nvgemm._cutedsl_kernel import apply_steps, apply_tail
+    from branchyard.lowering.nvgemm.cutedsl_gemm import _PP_EPI_BUFFERS as _EPI_BUFFERS
     from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K, persistent_stages
 
     class PersistentGemmKernel:
@@ -115,7 +115,7 @@ def build_persistent_class() -> type:
                 if cutlass.const_expr(operands[self.tma_mat].element_type.width != 16):
                     self._split(False)
             tma_mat = self.tma_mat
-            res_bytes = 2 * tm * tn * 2 if tma_mat is not None else 0
+            res_bytes = tm * tn * 2 if tma_mat is not None else 0
             stages = persistent_stages(tm, tn, res_bytes)
             sA_layout = sm90.make_smem_layout_a(a_layout, self.tile_mnk, ab_dtype, stages)
             sB_layout = sm90.make_smem_layout_b(b_layout, self.tile_mnk, ab_dtype, stages)
@@ -149,10 +149,10 @@ def build_persistent_class() -> type:
             if cutlass.const_expr(tma_mat is not None):
                 mR = operands[tma_mat]
                 r_dtype = mR.element_type
-                # The residual tile as the output's epilogue sub-tiles (same swizzled layout),
-                # one buffer per sub-tile per consumer warpgroup.
+                # The residual tile as the output's epilogue sub-tiles (same swizzled layout). One
+                # tile buffer serves both consumers: their epilogues never overlap (see kernel).
                 self.r_layout = utils.LayoutEnum.from_tensor(mR)
-                sR_layout = sm90.make_smem_layout_epi(r_dtype, self.r_layout, self.epi_tile, 2 * self.n_sub)
+                sR_layout = sm90.make_smem_layout_epi(r_dtype, self.r_layout, self.epi_tile, self.n_sub)
                 tma_r, gR = cute.nvgpu.cpasync.make_tiled_tma_atom(
                     cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
                     mR,
@@ -205,6 +205,23 @@ def build_persistent_class() -> type:
             rows = cutlass.min(group, cl_rows - first)
             within = t % per_group
             return (first + within % rows) * cm + rank, within // rows
+
+        def _load_residual(self, tma_r, gR_tiles, sR, t, bar, tiles_m, tiles_n, rank):
+            """TMA the residual of cluster-tile ``t`` into ``sR``, one copy per epilogue sub-tile,
+            completing on mbarrier ``bar`` (called by one warp)."""
+            tile_m, tile_n = self._tile_of(t, tiles_m, tiles_n, rank)
+            gR_epi = cute.zipped_divide(gR_tiles[(None, None, tile_m, tile_n)], self.epi_tile)
+            tRsR, tRgR = cute.nvgpu.cpasync.tma_partition(
+                tma_r, 0, cute.make_layout(1), cute.group_modes(sR, 0, 2), gR_epi
+            )
+            # The buffer was last read by ldmatrix (generic proxy); TMA writes through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, self.r_bytes)
+            n_sub_n = self.tile_mnk[1] // self.epi_tile[1]
+            for sm in range(self.tile_mnk[0] // self.epi_tile[0]):
+                for sn in range(n_sub_n):
+                    cute.copy(tma_r, tRgR[(None, (sm, sn))], tRsR[(None, sm * n_sub_n + sn)], tma_bar_ptr=bar)
 
         @cute.kernel
         def kernel(
@@ -373,25 +390,15 @@ def build_persistent_class() -> type:
                 release = read.clone()
                 t = first_tile + c * num_clusters
                 done = cutlass.Int32(0)
+                # The residual buffer: warpgroup 0 loads its first tile's; after that, each
+                # warpgroup loads the other's current tile once its own epilogue has read the
+                # buffer (during the other's main loop, ~a tile's time before it is needed).
+                if cutlass.const_expr(self.tma_mat is not None):
+                    if c == 0 and first_warp and t < cluster_tiles:
+                        self._load_residual(tma_r, gR_tiles, sR, t, res_bar, tiles_m, tiles_n, rank)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
                 while t < cluster_tiles:
                     tile_m, tile_n = self._tile_of(t, tiles_m, tiles_n, rank)
-                    if cutlass.const_expr(self.tma_mat is not None):
-                        if first_warp:
-                            gR_epi = cute.zipped_divide(gR_tiles[(None, None, tile_m, tile_n)], self.epi_tile)
-                            tRsR, tRgR = cute.nvgpu.cpasync.tma_partition(
-                                tma_r, 0, cute.make_layout(1), cute.group_modes(sR, 0, 2), gR_epi
-                            )
-                            with cute.arch.elect_one():
-                                cute.arch.mbarrier_arrive_and_expect_tx(my_res_bar, self.r_bytes)
-                            for sm in cutlass.range_constexpr(n_sub_m):
-                                for sn in cutlass.range_constexpr(n_sub_n):
-                                    cute.copy(
-                                        tma_r,
-                                        tRgR[(None, (sm, sn))],
-                                        tRsR[(None, c * self.n_sub + sm * n_sub_n + sn)],
-                                        tma_bar_ptr=my_res_bar,
-                                    )
                     # Wait for the other warpgroup to issue its last k-tile (not for this CTA's first tile):
                     # then this warpgroup's first k-tile is at most one ring phase ahead of the producer.
                     if t >= first_tile + num_clusters:
@@ -442,7 +449,7 @@ def build_persistent_class() -> type:
                                 sub[v] = tRS_acc[s * sub_size + v]
                             if cutlass.const_expr(self.tma_mat is not None):
                                 res = cute.make_rmem_tensor_like(sub_layout, sR.element_type)
-                                cute.copy(s2r, tSR_sR[(None, None, None, c * self.n_sub + s)], res)
+                                cute.copy(s2r, tSR_sR[(None, None, None, s)], res)
                                 sub.store(apply_tail(self.tail, sub.load(), res.load().to(self.acc_dtype)))
                             out_frag = cute.make_rmem_tensor_like(sub_layout, c_dtype)
                             out_frag.store(sub.load().to(c_dtype))
@@ -455,6 +462,11 @@ def build_persistent_class() -> type:
                                 store_ring.producer_commit()
                                 store_ring.producer_acquire()
                             cute.arch.barrier(barrier_id=_EPI_BAR + c, number_of_threads=128)
+                    if cutlass.const_expr(self.tma_mat is not None):
+                        if first_warp and t + num_clusters < cluster_tiles:
+                            self._load_residual(
+                                tma_r, gR_tiles, sR, t + num_clusters, res_bar + 1 - c, tiles_m, tiles_n, rank
+                            )
                     t += 2 * num_clusters
                     done += 1
                 if first_warp:

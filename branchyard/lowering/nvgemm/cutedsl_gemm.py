@@ -232,19 +232,26 @@ class GemmConfig:
     def name(self) -> str:
         """Short stable name, used in logs and in the autotuner's database."""
         tail = ("_rtma" if self.residual_tma else "") + ("_pp" if self.persistent else "")
+        if self.raster_group != 8:
+            tail += f"_g{self.raster_group}"
         return f"t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_o{self.occupancy}{tail}"
+
+
+#: Store buffers (64 x 32 sub-tiles) per consumer warpgroup of the persistent kernel: two
+#: are enough there (its epilogue is hidden) and leave shared memory to the A/B ring.
+_PP_EPI_BUFFERS = 2
 
 
 def persistent_stages(tile_m: int, tile_n: int, residual_bytes: int, itemsize: int = 2) -> int:
     """A/B ring stages of the persistent kernel next to its epilogue buffers
-    (4 sub-tiles of 64 x min(32, tile_n) per consumer warpgroup) and, for a
-    TMA residual, ``residual_bytes`` of residual tiles (both warpgroups').
+    (``_PP_EPI_BUFFERS`` sub-tiles of 64 x min(32, tile_n) per consumer
+    warpgroup) and, for a TMA residual, ``residual_bytes`` (one tile).
 
-        >>> persistent_stages(128, 128, 0), persistent_stages(128, 128, 2 * 128 * 128 * 2)
-        (6, 4)
+        >>> persistent_stages(128, 128, 0), persistent_stages(128, 128, 128 * 128 * 2)
+        (6, 5)
     """
     per_stage = (tile_m + tile_n) * TILE_K * itemsize
-    epi = 2 * 64 * min(32, tile_n) * itemsize * _EPI_STAGES
+    epi = 2 * 64 * min(32, tile_n) * itemsize * _PP_EPI_BUFFERS
     budget = _SMEM_CAPACITY - _SMEM_RESERVED - epi - residual_bytes
     return max(2, min(_MAX_AB_STAGES, budget // per_stage))
 
@@ -254,9 +261,9 @@ def candidate_configs(m: int, n: int, k: int, dtype: Any) -> list[GemmConfig]:
 
     Every config has ``residual_tma`` on unless the environment sets
     ``BRANCHYARD_NVGEMM_RESIDUAL_TMA=0``. Small M gets 64-row tiles and narrower N tiles (more CTAs on the SMs);
-    large M gets the wide 128x256 two-warpgroup tile, alone or in 2-CTA
-    clusters that halve L2 traffic for A or B, and a 128x128 tile. Fastest
-    first (as measured), so a caller that times only the first few loses little.
+    large M gets the persistent ping-pong kernel (2-CTA clusters first) and the
+    one-tile-per-CTA 128x256 tile. Fastest first (as measured), so a caller
+    that times only the first few loses little.
 
         >>> [c.name for c in candidate_configs(1, 4096, 4096, "float16")][:2]
         ['t64x64_c1x1_o1_rtma', 't64x128_c1x1_o1_rtma']
@@ -284,17 +291,15 @@ def _candidate_configs(m: int) -> list[GemmConfig]:
             GemmConfig(128, 128, occupancy=2),
             GemmConfig(128, 256),
         ]
-    # Large M: the persistent ping-pong kernel first (its epilogue hides behind the
-    # other warpgroup's main loop); then the one-tile-per-CTA kernel, where 128x256
-    # led at 8192x14336x4096 and 128x128 at two CTAs per SM (two stages) ran 1.5x slower.
+    # Large M, measured on the H200 (docs/nvgemm_kernel.md, version 4): the persistent
+    # ping-pong kernel in 2-CTA clusters (B multicast) leads on 22 of 24 (shape, chain)
+    # rows at M = 2048 / 8192; the one-tile-per-CTA 128x256 wins some M = 2048 rows; the
+    # persistent kernel without a cluster is L2-bound (1.1-1.3x slower), 64x256 worse still.
     return [
-        GemmConfig(128, 128, persistent=True),
         GemmConfig(128, 128, cluster_m=2, persistent=True),
-        GemmConfig(64, 256, persistent=True),
         GemmConfig(128, 256),
+        GemmConfig(128, 128, persistent=True),
         GemmConfig(128, 256, cluster_m=2),
-        GemmConfig(128, 256, cluster_n=2),
-        GemmConfig(128, 128),
     ]
 
 
@@ -417,6 +422,9 @@ _LOG2E = 1.4426950408889634
 _ERF_P = 0.3275911
 _ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 _SQRT_HALF = 0.7071067811865476
+#: -2 sqrt(2/pi) log2(e) and -2 sqrt(2/pi) 0.044715 log2(e): sigmoid(2u) = 1 / (1 + 2^(x (K1 + K3 x^2))).
+_GELU_TANH_K1 = -2.0 * 0.7978845608028654 * _LOG2E
+_GELU_TANH_K3 = -2.0 * 0.7978845608028654 * 0.044715 * _LOG2E
 
 
 #: Table rows whose formula divides: an IEEE fp32 division is a ~10-instruction
@@ -425,6 +433,9 @@ _SQRT_HALF = 0.7071067811865476
 _KERNEL_FORMULAS: dict[str, Callable[..., Any]] = {
     "silu": lambda x, m: x * m.sigmoid(x),
     "sigmoid": lambda x, m: m.sigmoid(x),
+    # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): one ex2 and
+    # one reciprocal, log2(e) folded into the cubic (7 instructions per element, not 12).
+    "gelu_tanh": lambda x, m: x * m.rcp(1.0 + m.exp2(x * (_GELU_TANH_K1 + _GELU_TANH_K3 * (x * x)))),
     # x * Phi(x) with Phi from erfc directly: 0.5 x (1 + erf(x / sqrt 2)) without the
     # sign flip, the 1 + erf and the two halvings (4 of ~20 instructions per element).
     "gelu_erf": lambda x, m: x * m.norm_cdf(x),
@@ -461,6 +472,9 @@ class _CuteMath:
 
     def exp(self, x: Any) -> Any:
         return self._cute.math.exp2(x * _LOG2E, fastmath=True)
+
+    def exp2(self, x: Any) -> Any:
+        return self._cute.math.exp2(x, fastmath=True)
 
     def rcp(self, x: Any) -> Any:
         return self._cute.math.rcp(x, approx=True, ftz=True)

@@ -147,7 +147,10 @@ def fallback_reasons() -> frozenset[str]:
 # --- eligibility ------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _cutedsl_status() -> tuple[bool, str]:
+    # Once per process: a failed ``import cutlass`` is retried on every call
+    # otherwise, and the device query costs microseconds the op cannot spare.
     try:
         from branchyard.lowering.nvgemm.cutedsl_gemm import cutedsl_available
     except Exception as exc:  # the module, or CuTeDSL under it, failed to import

@@ -23,7 +23,10 @@ scale+residual.
 Columns (median microseconds of CUDA-event timings, a 256 MiB buffer zeroed
 before every timed run so L2 holds none of the operands; each callable is
 captured in a CUDA graph and its replays are timed, so every column is device
-time and none pays for host dispatch -- ``--timing eager`` times plain calls):
+time and none pays for host dispatch -- ``--timing eager`` times plain calls;
+every column of a row is built and checked first, then all are timed together,
+round-robin over ``--rounds`` rotated rounds after ``--heat-s`` of warm-up GEMMs,
+because the H200's clock drifts by up to 15% as it heats):
 
 * ``mm``       -- plain ``torch.mm`` (no epilogue: the floor a fused kernel aims at)
 * ``aten``     -- the unfused ATen chain (``mm`` then one kernel per op)
@@ -76,11 +79,13 @@ import math
 import multiprocessing
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -138,14 +143,15 @@ def make_inputs(m, n, k, text, dtype, seed=0):
     return a, w, ops, spec
 
 
-def cublas_column(problem, a, b_kn, ops, ref, time_us, row) -> None:
-    """The best cuBLAS(Lt) epilogue variant: ``_addmm_activation`` where the
-    chain starts with bias+relu / bias+gelu_tanh, ``addmm``'s C input for a
-    [scale +] bias / residual prefix, the rest of the chain as ATen ops (the
-    op's ``cublas*`` candidates). ``None`` where none applies."""
+def cublas_variants(problem, a, b_kn, ops, ref, row) -> dict:
+    """The cuBLAS(Lt) epilogue variants that apply and compute the chain right:
+    ``_addmm_activation`` where the chain starts with bias+relu /
+    bias+gelu_tanh, ``addmm``'s C input for a [scale +] bias / residual
+    prefix, the rest of the chain as ATen ops (the op's ``cublas*``
+    candidates). The ``cublas`` column is the fastest of them."""
     from branchyard.lowering.nvgemm import autotune as at
 
-    row["cublas"], row["cublas_pick"], row["cublas_variants"] = None, None, {}
+    found = {}
     out = torch.empty(problem.m, problem.n, dtype=problem.spec.out_dtype, device="cuda")
     for cand in at.default_candidates(problem, inductor=False):
         if not cand.name.startswith("cublas") or cand.applies(problem) is not None:
@@ -154,15 +160,14 @@ def cublas_column(problem, a, b_kn, ops, ref, time_us, row) -> None:
             impl = cand.build(problem)
             got = impl(a, b_kn, ops, out)
             bad = at.numerics_error(out if got is None else got, ref, problem.spec.out_dtype)
-            if bad:
-                row["notes"].append(f"{cand.name} wrong: {bad}")
-                continue
-            t = row["cublas_variants"][cand.name] = time_us(lambda: impl(a, b_kn, ops, out))
         except Exception as exc:  # report, keep benchmarking
             row["notes"].append(f"{cand.name} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        if row["cublas"] is None or t < row["cublas"]:
-            row["cublas"], row["cublas_pick"] = t, cand.name
+        if bad:
+            row["notes"].append(f"{cand.name} wrong: {bad}")
+            continue
+        found[cand.name] = lambda impl=impl: impl(a, b_kn, ops, out)
+    return found
 
 
 # --- setup: caches, Inductor settings, the CuTeDSL prebuild ----------------------------
@@ -254,28 +259,39 @@ def prebuild(plan: list[tuple], dtype, args) -> None:
 _PEAK_FLOPS, _PEAK_BYTES_S = 0.99e15, 4.8e12
 
 
-def make_timer(args, row, floor_us: float = 0.0):
-    """``time_us(fn)``: median µs of ``fn`` with L2 flushed before every run.
+class ColumnTimer:
+    """Times a row's columns side by side: median µs, L2 flushed before every run.
 
-    ``--timing graph`` (default) captures ``fn`` once in a CUDA graph and
-    times its replays, so every column is the device time of its kernels and
-    none pays for host dispatch (at M <= 128 a GEMM takes ~20 µs, less than
-    the Python and launch overhead of a multi-kernel chain, a compiled
-    function's guards or a custom op). A callable that cannot be captured is
-    timed eagerly and the row says so, as is one whose replay beats
-    ``floor_us`` (the GEMM's FLOPs at peak or its weight read at full HBM
-    bandwidth): work launched outside the capture would not be in the graph.
-    ``--timing eager`` times every call as issued.
+    Every callable is first *prepared*: captured once in a CUDA graph whose
+    replays are timed (``--timing graph``, the default), so every column is
+    the device time of its kernels and none pays for host dispatch (at M <= 128
+    a GEMM takes ~20 µs, less than the Python and launch overhead of a
+    multi-kernel chain, a compiled function's guards or a custom op). A
+    callable that cannot be captured is timed eagerly and the row says so, as
+    is one whose replay beats ``floor_us`` (the GEMM's FLOPs at peak or its
+    weight read at full HBM bandwidth): work launched outside the capture
+    would not be in the graph. Then :meth:`run` times all columns in
+    ``--rounds`` rounds, each round in a rotated order, and keeps each
+    column's median over the rounds: the H200's clock drifts by up to 15%
+    as it heats, so timing columns one after another (or after an idle
+    compile) would bias whichever came first.
     """
-    from branchyard.lowering.nvgemm import autotune as at
 
-    def eager(fn):
-        return at.cuda_event_timer(fn, reps=args.reps) * 1e3
+    def __init__(self, args, row, floor_us: float = 0.0) -> None:
+        from branchyard.lowering.nvgemm import autotune as at
 
-    if args.timing == "eager":
-        return eager
+        self.args, self.row, self.floor_us = args, row, floor_us
+        self._timer = at.cuda_event_timer
+        self.replays: dict[str, Callable] = {}
+        self._graphs: list = []
 
-    def graphed(fn):
+    def eager(self, fn) -> float:
+        return self._timer(fn, reps=self.args.reps) * 1e3
+
+    def add(self, name: str, fn: Callable) -> None:
+        if self.args.timing == "eager":
+            self.replays[name] = fn
+            return
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -288,18 +304,37 @@ def make_timer(args, row, floor_us: float = 0.0):
                 fn()
         except Exception as exc:
             torch.cuda.synchronize()
-            row["notes"].append(f"CUDA-graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly")
-            return eager(fn)
-        try:
-            t = eager(graph.replay)
-        finally:
-            del graph
-        if t < 0.9 * floor_us:
-            row["notes"].append(f"a graph replay took {t:.1f} us, below the {floor_us:.1f} us floor; timed eagerly")
-            return eager(fn)
-        return t
+            self.row["notes"].append(f"{name}: CUDA-graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly")
+            self.replays[name] = fn
+            return
+        t = self._timer(graph.replay, reps=5) * 1e3
+        if t < 0.9 * self.floor_us:
+            self.row["notes"].append(f"{name}: a graph replay took {t:.1f} us, below the {self.floor_us:.1f} us floor; timed eagerly")
+            self.replays[name] = fn
+            return
+        self._graphs.append(graph)
+        self.replays[name] = graph.replay
 
-    return graphed
+    def run(self) -> dict[str, float]:
+        names = list(self.replays)
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(max(1, self.args.rounds)):
+            shift = r % len(names) if names else 0
+            for name in names[shift:] + names[:shift]:
+                samples[name].append(self.eager(self.replays[name]))
+        self._graphs.clear()
+        return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def heat_gpu(seconds: float) -> None:
+    """Run large GEMMs for ``seconds`` so the rows start at the clock they keep."""
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            torch.mm(a, b)
+        torch.cuda.synchronize()
 
 
 def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
@@ -313,30 +348,40 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
     ref = reference_fused_gemm(a, w, ops, spec)
     row: dict = {"m": m, "n": n, "k": k, "chain": chain, "dtype": str(dtype).removeprefix("torch."), "notes": []}
     floor_us = max(2.0 * m * n * k / _PEAK_FLOPS, 2.0 * n * k / _PEAK_BYTES_S) * 1e6
-    time_us = make_timer(args, row, floor_us)
+    cols = ColumnTimer(args, row, floor_us)
 
-    row["mm"] = time_us(lambda: torch.mm(a, b_kn))
-    row["aten"] = time_us(lambda: unfused_aten_epilogue(torch.mm(a, b_kn), problem.spec, ops))
-    cublas_column(problem, a, b_kn, ops, ref, time_us, row)
+    # Build (and check) every column first; time them together at the end.
+    cols.add("mm", lambda: torch.mm(a, b_kn))
+    cols.add("aten", lambda: unfused_aten_epilogue(torch.mm(a, b_kn), problem.spec, ops))
+    for name, fn in cublas_variants(problem, a, b_kn, ops, ref, row).items():
+        cols.add("cublas|" + name, fn)
 
     row["inductor"] = row["inductor_compile_s"] = None
     if args.inductor_mode != "off":
         t0 = time.perf_counter()
         try:
             impl = at._inductor_build(problem, args.inductor_mode)
-            got = impl(a, b_kn, ops, None)  # the compile happens on this first call
+            try:
+                got = impl(a, b_kn, ops, None)  # the compile happens on this first call
+            except Exception as exc:  # Dynamo's limits are process-wide: start it afresh once
+                if "RecompileLimit" not in type(exc).__name__:
+                    raise
+                row["notes"].append(f"inductor: {type(exc).__name__} on the first call; Dynamo reset, compiled again")
+                torch._dynamo.reset()
+                at._INDUCTOR_FNS.clear()
+                impl = at._inductor_build(problem, args.inductor_mode)
+                got = impl(a, b_kn, ops, None)
             torch.cuda.synchronize()
             row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
             bad = at.numerics_error(got, ref, dtype)
             if bad:
                 row["notes"].append(f"inductor wrong: {bad}")
             else:
-                row["inductor"] = time_us(lambda: impl(a, b_kn, ops, None))
+                cols.add("inductor", lambda impl=impl: impl(a, b_kn, ops, None))
         except Exception as exc:  # report, keep benchmarking
             row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
             row["notes"].append(f"inductor failed: {type(exc).__name__}: {str(exc)[:200]}")
 
-    row["ours"], row["config"], row["ours_configs"] = None, None, {}
     out = torch.empty(m, n, dtype=spec.out_dtype, device="cuda")
     for cand in at._cutedsl_candidates(problem)[: args.max_configs]:
         name = cand.name.removeprefix("cutedsl:")
@@ -352,13 +397,11 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
         if bad:
             row["notes"].append(f"{name} wrong: {bad}")
             continue
-        t = row["ours_configs"][name] = time_us(lambda: impl(a, b_kn, ops, out))
-        if row["ours"] is None or t < row["ours"]:
-            row["ours"], row["config"] = t, name
+        cols.add("ours|" + name, lambda impl=impl: impl(a, b_kn, ops, out))
 
     # The op end to end with its own autotuner (a fresh database: it really tunes).
     def candidates(p):
-        cands = at.default_candidates(p, inductor=row["inductor"] is not None)
+        cands = at.default_candidates(p, inductor="inductor" in cols.replays)
         cut = [c for c in cands if c.name.startswith("cutedsl:")][: args.max_configs]
         rest = [c for c in cands if not c.name.startswith("cutedsl:")]
         if not args.cutlass_plain:
@@ -367,26 +410,40 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
 
     tuner = at.Autotuner(candidates, db=at.WinnerDB(db_dir), progress=not args.no_progress)
     at.set_autotuner(tuner)
+    text = str(spec)
+    row["op"], row["picked"] = None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fused_gemm_epilogue(a, w, ops, str(spec))
+            fused_gemm_epilogue(a, w, ops, text)  # tunes
         fallback = [str(x.message) for x in caught if "reference path" in str(x.message)]
         if fallback:
             row["notes"].append(fallback[0])
-            row["op"], row["picked"] = None, "reference"
+            row["picked"] = "reference"
         else:
-            text = str(spec)
-            row["op"] = time_us(lambda: fused_gemm_epilogue(a, w, ops, text))
-            # As an eager caller sees it: the op's Python dispatch is not hidden by a graph.
-            row["op_eager"] = at.cuda_event_timer(lambda: fused_gemm_epilogue(a, w, ops, text), reps=args.reps) * 1e3
+            cols.add("op", lambda: fused_gemm_epilogue(a, w, ops, text))
             (res,) = tuner.results.values()
             row["picked"] = res.winner
             row["picked_tuned_us"] = res.timings[res.winner] * 1e3
             row["tuned_us"] = {name: ms * 1e3 for name, ms in res.timings.items()}
             row["excluded"] = res.excluded
+
+        times = cols.run()
+        if "op" in times:
+            # As an eager caller sees it: the op's Python dispatch is not hidden by a graph.
+            row["op_eager"] = cols.eager(lambda: fused_gemm_epilogue(a, w, ops, text))
     finally:
         at.set_autotuner(None)
+
+    def best(prefix):
+        got = {name.split("|", 1)[1]: t for name, t in times.items() if name.startswith(prefix + "|")}
+        return (min(got.values()), min(got, key=got.get), got) if got else (None, None, {})
+
+    row["mm"], row["aten"] = times.get("mm"), times.get("aten")
+    row["cublas"], row["cublas_pick"], row["cublas_variants"] = best("cublas")
+    row["inductor"] = times.get("inductor")
+    row["ours"], row["config"], row["ours_configs"] = best("ours")
+    row["op"] = times.get("op")
     return row
 
 
@@ -601,7 +658,9 @@ def main(argv=None) -> int:
                    help="offer the cutlass-operators plain GEMM to the op's autotuner (compiles per shape)")
     p.add_argument("--prebuild-workers", type=int, default=min(16, os.cpu_count() or 1),
                    help="processes compiling the CuTeDSL kernels up front (0: compile in the rows)")
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--reps", type=int, default=15, help="timed runs per column per round")
+    p.add_argument("--rounds", type=int, default=3, help="round-robin rounds over a row's columns (median kept)")
+    p.add_argument("--heat-s", type=float, default=5.0, help="seconds of large GEMMs before the first row")
     p.add_argument("--timing", choices=["graph", "eager"], default="graph",
                    help="time CUDA-graph replays of each callable (device time, default) or eager calls")
     p.add_argument("--budget-s", type=float, default=None,
@@ -655,6 +714,13 @@ def main(argv=None) -> int:
     append_jsonl(jsonl, {"kind": "env", "env": env})
     if args.prebuild_workers > 0 and todo:
         prebuild(todo, dtype, args)
+    # Every row compiles its own functions; Dynamo's default limits are for one model,
+    # and the op's cap on Inductor compiles per process is for serving, not a sweep.
+    os.environ.setdefault("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "1000")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+    if todo and args.heat_s > 0:
+        heat_gpu(args.heat_s)
 
     rows, spent = [], {}
     with tempfile.TemporaryDirectory() as db_dir:

@@ -44,6 +44,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import itertools
 import logging
 import os
 import statistics
@@ -477,9 +478,16 @@ def _fresh_chain(spec: EpilogueSpec) -> Callable[..., torch.Tensor]:
     """The unfused chain as a function with its OWN code object: Dynamo keeps
     its compile cache (and recompile limit) per code object, so one shared
     function would fall back to eager after a handful of shapes."""
+    # A unique name and file too: some of Dynamo's per-function state is keyed
+    # by (file, line, name) rather than by the code object.
+    name = f"nvgemm_chain_{next(_CHAIN_IDS)}"
     ns: dict[str, Any] = {"_chain": unfused_aten_epilogue, "_spec": spec, "torch": torch}
-    exec("def nvgemm_chain(a, b_kn, *ops):\n    return _chain(torch.mm(a, b_kn), _spec, list(ops))\n", ns)
-    return ns["nvgemm_chain"]
+    src = f"def {name}(a, b_kn, *ops):\n    return _chain(torch.mm(a, b_kn), _spec, list(ops))\n"
+    exec(compile(src, f"<branchyard {name}>", "exec"), ns)
+    return ns[name]
+
+
+_CHAIN_IDS = itertools.count()
 
 
 def _inductor_build(problem: Problem, mode: str) -> Impl:

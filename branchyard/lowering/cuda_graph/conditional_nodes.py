@@ -114,6 +114,20 @@ __device__ __forceinline__ void by_copy(char* d, const char* s, unsigned long lo
     }
 }
 
+// Up to four (dst, src, bytes) copies, as kernel parameters and as one grid-stride pass.
+#define BY_COPY4_PARAMS char* d0, const char* s0, unsigned long long b0, \
+                        char* d1, const char* s1, unsigned long long b1, \
+                        char* d2, const char* s2, unsigned long long b2, \
+                        char* d3, const char* s3, unsigned long long b3
+// Declares tid and stride (the step kernel's set-up thread is tid 0).
+#define BY_COPY4(count)                                                                  \
+    unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;  \
+    unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;              \
+    if ((count) > 0) by_copy(d0, s0, b0, tid, stride);                                   \
+    if ((count) > 1) by_copy(d1, s1, b1, tid, stride);                                   \
+    if ((count) > 2) by_copy(d2, s2, b2, tid, stride);                                   \
+    if ((count) > 3) by_copy(d3, s3, b3, tid, stride)
+
 // Everything a conditional node needs after its body, in ONE kernel node:
 //   copy up to four dense loop carries (new value -> carry buffer), then one thread
 //   adds inc_by to a 0-d integer counter carry (the body's `i + 1`, left to this kernel),
@@ -126,17 +140,8 @@ extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGra
                                            long long ia, long long ib, double fa, double fb,
                                            long long* count, long long limit, int reset, bool* exhausted,
                                            void* inc, long long inc_by, int inc_dtype,
-                                           int ncopy,
-                                           char* d0, const char* s0, unsigned long long b0,
-                                           char* d1, const char* s1, unsigned long long b1,
-                                           char* d2, const char* s2, unsigned long long b2,
-                                           char* d3, const char* s3, unsigned long long b3) {
-    unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;
-    if (ncopy > 0) by_copy(d0, s0, b0, tid, stride);
-    if (ncopy > 1) by_copy(d1, s1, b1, tid, stride);
-    if (ncopy > 2) by_copy(d2, s2, b2, tid, stride);
-    if (ncopy > 3) by_copy(d3, s3, b3, tid, stride);
+                                           int ncopy, BY_COPY4_PARAMS) {
+    BY_COPY4(ncopy);
     if (tid != 0) return;
     if (inc) {  // unsigned arithmetic: wraps like torch's integer add, without C++'s overflow UB
         if (inc_dtype == 1) *(unsigned long long*)inc += (unsigned long long)inc_by;
@@ -172,17 +177,8 @@ extern "C" __global__ void branchyard_set_onehot(const void* index, int dtype, l
 }
 
 // Up to four dense byte copies in ONE kernel node (cond/switch outputs no op could write in place).
-extern "C" __global__ void branchyard_copy4(int count,
-                                            char* d0, const char* s0, unsigned long long b0,
-                                            char* d1, const char* s1, unsigned long long b1,
-                                            char* d2, const char* s2, unsigned long long b2,
-                                            char* d3, const char* s3, unsigned long long b3) {
-    unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
-    unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;
-    if (count > 0) by_copy(d0, s0, b0, tid, stride);
-    if (count > 1) by_copy(d1, s1, b1, tid, stride);
-    if (count > 2) by_copy(d2, s2, b2, tid, stride);
-    if (count > 3) by_copy(d3, s3, b3, tid, stride);
+extern "C" __global__ void branchyard_copy4(int count, BY_COPY4_PARAMS) {
+    BY_COPY4(count);
 }
 """
 

@@ -28,21 +28,18 @@ def _build_tile_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
+    from branchyard.lowering.nvgemm._cutedsl_common import build_base_class
     from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K
 
-    class FusedGemmKernel:
+    class FusedGemmKernel(build_base_class()):
         """``out = epilogue(A @ B^T)`` with A (M, K), B (N, K), out (M, N); see module doc."""
 
         def __init__(self, steps: tuple, config: Any, types: dict) -> None:
-            self.steps = steps
-            self.config = config
-            self.types = types
-            self.tile_mnk = (config.tile_m, config.tile_n, TILE_K)
+            super().__init__(steps, config, types)
             self.cluster_mn = (config.cluster_m, config.cluster_n)
             self.atom_layout = (config.warpgroups, 1, 1)
             self.threads = config.threads
             self.epi_tile = config.epi_tile
-            self.acc_dtype = cutlass.Float32
             # Index of the [M, N] operand brought in by TMA (the first one), if any.
             mats = [s.index for s in steps if s.operand == "mat"]
             # It lands in the B ring: stages * tile_n * 64 elements must hold tile_m * tile_n.
@@ -54,33 +51,17 @@ def _build_tile_class() -> type:
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, stream):
             ab_dtype = mA.element_type
             c_dtype = mC.element_type
-            a_layout = utils.LayoutEnum.from_tensor(mA)
-            b_layout = utils.LayoutEnum.from_tensor(mB)
             c_layout = utils.LayoutEnum.from_tensor(mC)
-            tiled_mma = sm90.make_trivial_tiled_mma(
-                ab_dtype,
-                ab_dtype,
-                a_layout.sm90_mma_major_mode(),
-                b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                self.atom_layout,
-                tiler_mn=(64, self.tile_mnk[1]),
-            )
+            tiled_mma = self._tiled_mma(mA, mB, self.atom_layout)
             stages = self.config.ab_stages(ab_dtype.width // 8)
-            sA_layout = sm90.make_smem_layout_a(a_layout, self.tile_mnk, ab_dtype, stages)
-            sB_layout = sm90.make_smem_layout_b(b_layout, self.tile_mnk, ab_dtype, stages)
+            sA_layout, sB_layout = self._ab_smem_layouts(mA, mB, stages)
             sC_layout = sm90.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, 4)
 
             # TMA loads: multicast A across the cluster's N extent, B across its M extent.
             mcast_a, mcast_b = self.cluster_mn[1], self.cluster_mn[0]
             tma_a, gA = self._tma_load(mA, sA_layout, (self.tile_mnk[0], self.tile_mnk[2]), mcast_a)
             tma_b, gB = self._tma_load(mB, sB_layout, (self.tile_mnk[1], self.tile_mnk[2]), mcast_b)
-            tma_c, gC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-                mC,
-                cute.slice_(sC_layout, (None, None, 0)),
-                self.epi_tile,
-            )
+            tma_c, gC = self._tma_store(mC, sC_layout, self.epi_tile)
 
             # Residual by TMA: the first [M, N] operand is brought into shared memory
             # (aliasing the B ring, free once the K loop is done) with one bulk copy
@@ -113,10 +94,7 @@ def _build_tile_class() -> type:
                 sB: cute.struct.Align[cute.struct.MemRange[ab_dtype, cute.cosize(sB_layout)], 1024]
                 sC: cute.struct.Align[cute.struct.MemRange[c_dtype, cute.cosize(sC_layout)], 1024]
 
-            self.storage = Storage
-            self.ab_dtype = ab_dtype
-            self.stages = stages
-            self.c_layout = c_layout
+            self._keep_for_kernel(Storage, ab_dtype, stages, c_layout)
             self.kernel(
                 tma_a, gA, tma_b, gB, tma_c, gC, mC, operands, tiled_mma, sA_layout, sB_layout, sC_layout,
                 tma_r, gR, sR_layout,
@@ -125,17 +103,6 @@ def _build_tile_class() -> type:
                 block=[self.threads, 1, 1],
                 cluster=(*self.cluster_mn, 1),
                 stream=stream,
-            )
-
-        @staticmethod
-        def _tma_load(tensor, smem_layout_staged, tile, mcast: int):
-            op = (
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-                if mcast == 1
-                else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
-            )
-            return cute.nvgpu.cpasync.make_tiled_tma_atom(
-                op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), tile, num_multicast=mcast
             )
 
         # ---------------------------------------------------------------- device
@@ -194,23 +161,10 @@ def _build_tile_class() -> type:
             # ---- shared memory and the full/empty mbarrier ring
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.storage)
-            sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-            sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-            stage_bytes = cute.size_in_bytes(
-                self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))
-            ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+            sA, sB, sC = self._smem_tensors(storage, sA_layout, sB_layout, sC_layout)
             # Each consumer warp releases a stage to every CTA that multicast into it.
             mcast_peers = self.cluster_mn[0] + self.cluster_mn[1] - 1
-            ring = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.full_empty.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_peers * (self.threads // 32)),
-                tx_count=stage_bytes,
-                cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
-                defer_sync=True,
-            )
+            ring = self._ab_ring(storage, sA_layout, sB_layout, cta_layout, mcast_peers * (self.threads // 32))
             res_bar = storage.res_full.data_ptr()
             if cutlass.const_expr(self.tma_mat is not None):
                 if warp_idx == 0:
@@ -239,10 +193,7 @@ def _build_tile_class() -> type:
             )
             wg = cute.arch.make_warp_uniform(tidx // 128)
             thr_mma = tiled_mma.get_slice(cute.make_layout(self.config.warpgroups, stride=128)(wg))
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
+            tCrA, tCrB = self._mma_fragments(tiled_mma, thr_mma, sA, sB)
             tCgC = thr_mma.partition_C(gC)
             acc = cute.make_rmem_tensor(tCgC.shape, self.acc_dtype)
 
@@ -286,10 +237,7 @@ def _build_tile_class() -> type:
             if k_tiles > 0:
                 ring.consumer_release(release)
 
-            # No CTA may leave while a peer can still signal its barriers.
-            if cutlass.const_expr(self.cluster_mn[0] * self.cluster_mn[1] > 1):
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+            self._cluster_exit_sync(self.cluster_mn[0] * self.cluster_mn[1])
 
             # ---- residual tile -> shared memory (one TMA copy; out-of-range rows read as 0)
             sR = None
@@ -327,17 +275,7 @@ def _build_tile_class() -> type:
 
             # ---- cast, registers -> smem (stmatrix) -> global (TMA), one epi sub-tile at a time
             c_dtype = mC.element_type
-            r2s_atom = sm90.get_smem_store_op(self.c_layout, elem_ty_d=c_dtype, elem_ty_acc=self.acc_dtype)
-            stmatrix_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), c_dtype
-            )
-            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma))
-            thr_r2s = r2s.get_slice(tidx)
-            tRS_sC = thr_r2s.partition_D(sC)
-            tRS_acc = r2s.retile(acc)
-            sub_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
-            sub = cute.make_rmem_tensor_like(sub_layout, self.acc_dtype)
-            sub_size = cute.size(sub)
+            _, r2s, tRS_sC, tRS_acc, sub_layout, sub, sub_size = self._stmatrix_store(tiled_mma, sC, acc, c_dtype, tidx)
             gC_epi = cute.zipped_divide(gC, self.epi_tile)
             bSG_sC, bSG_gC = cute.nvgpu.cpasync.tma_partition(
                 tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi

@@ -54,21 +54,18 @@ def build_persistent_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
+    from branchyard.lowering.nvgemm._cutedsl_common import build_base_class
     from branchyard.lowering.nvgemm._cutedsl_kernel import apply_steps, apply_tail
     from branchyard.lowering.nvgemm.cutedsl_gemm import _PP_EPI_BUFFERS as _EPI_BUFFERS
-    from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K, persistent_stages
+    from branchyard.lowering.nvgemm.cutedsl_gemm import persistent_stages
 
-    class PersistentGemmKernel:
+    class PersistentGemmKernel(build_base_class()):
         """``out = epilogue(A @ B^T)``, persistent ping-pong; see the module doc."""
 
         def __init__(self, steps: tuple, config: Any, types: dict) -> None:
-            self.steps = steps
-            self.config = config
-            self.types = types
             # Each consumer warpgroup owns a whole tile_m x tile_n output tile.
-            self.tile_mnk = (config.tile_m, config.tile_n, TILE_K)
+            super().__init__(steps, config, types)
             self.cluster_mn = (config.cluster_m, 1)
-            self.acc_dtype = cutlass.Float32
             self.epi_tile = (64, min(32, config.tile_n))
             self.n_sub = (config.tile_m // 64) * (config.tile_n // self.epi_tile[1])
             self.sm_count = _sm_count()
@@ -97,18 +94,8 @@ def build_persistent_class() -> type:
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, stream):
             ab_dtype = mA.element_type
             c_dtype = mC.element_type
-            a_layout = utils.LayoutEnum.from_tensor(mA)
-            b_layout = utils.LayoutEnum.from_tensor(mB)
             c_layout = utils.LayoutEnum.from_tensor(mC)
-            tiled_mma = sm90.make_trivial_tiled_mma(
-                ab_dtype,
-                ab_dtype,
-                a_layout.sm90_mma_major_mode(),
-                b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (1, 1, 1),
-                tiler_mn=(64, self.tile_mnk[1]),
-            )
+            tiled_mma = self._tiled_mma(mA, mB, (1, 1, 1))
             tm, tn = self.tile_mnk[0], self.tile_mnk[1]
             # A residual of more than 16 bits would take two 64 KiB buffers: gather it instead.
             if cutlass.const_expr(self.tma_mat is not None):
@@ -117,33 +104,14 @@ def build_persistent_class() -> type:
             tma_mat = self.tma_mat
             res_bytes = tm * tn * 2 if tma_mat is not None else 0
             stages = persistent_stages(tm, tn, res_bytes)
-            sA_layout = sm90.make_smem_layout_a(a_layout, self.tile_mnk, ab_dtype, stages)
-            sB_layout = sm90.make_smem_layout_b(b_layout, self.tile_mnk, ab_dtype, stages)
+            sA_layout, sB_layout = self._ab_smem_layouts(mA, mB, stages)
             # Epilogue buffers: _EPI_BUFFERS per consumer warpgroup.
             sC_layout = sm90.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, 2 * _EPI_BUFFERS)
 
-            tma_a, gA = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                mA,
-                cute.slice_(sA_layout, (None, None, 0)),
-                (tm, self.tile_mnk[2]),
-            )
-            mcast_b = self.cluster_mn[0]
-            tma_b, gB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-                if mcast_b == 1
-                else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(),
-                mB,
-                cute.slice_(sB_layout, (None, None, 0)),
-                (tn, self.tile_mnk[2]),
-                num_multicast=mcast_b,
-            )
-            tma_c, gC = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-                mC,
-                cute.slice_(sC_layout, (None, None, 0)),
-                self.epi_tile,
-            )
+            # A is not multicast (clusters run along M); B is, across the cluster's CTAs.
+            tma_a, gA = self._tma_load(mA, sA_layout, (tm, self.tile_mnk[2]), 1)
+            tma_b, gB = self._tma_load(mB, sB_layout, (tn, self.tile_mnk[2]), self.cluster_mn[0])
+            tma_c, gC = self._tma_store(mC, sC_layout, self.epi_tile)
             tma_r, gR, sR_layout = tma_c, gC, sC_layout  # placeholders without a TMA residual
             r_dtype = c_dtype
             if cutlass.const_expr(tma_mat is not None):
@@ -178,10 +146,7 @@ def build_persistent_class() -> type:
                     cute.struct.MemRange[r_dtype, cute.cosize(sR_layout) if tma_mat is not None else 8], 1024
                 ]
 
-            self.storage = Storage
-            self.ab_dtype = ab_dtype
-            self.stages = stages
-            self.c_layout = c_layout
+            self._keep_for_kernel(Storage, ab_dtype, stages, c_layout)
             self.kernel(
                 tma_a, gA, tma_b, gB, tma_c, gC, mC, operands, tiled_mma, sA_layout, sB_layout, sC_layout,
                 tma_r, gR, sR_layout, tiles_m, tiles_n, cluster_tiles,
@@ -269,23 +234,9 @@ def build_persistent_class() -> type:
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(self.storage)
-            sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-            sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-            stage_bytes = cute.size_in_bytes(
-                self.ab_dtype, cute.slice_(sA_layout, (None, None, 0))
-            ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(sB_layout, (None, None, 0)))
+            sA, sB, sC = self._smem_tensors(storage, sA_layout, sB_layout, sC_layout)
             # A stage is read by one consumer warpgroup (4 warps) in each CTA its B half went to.
-            ring = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.full_empty.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cm * 4),
-                tx_count=stage_bytes,
-                cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
-                tidx=tidx,
-                defer_sync=True,
-            )
+            ring = self._ab_ring(storage, sA_layout, sB_layout, cta_layout, cm * 4, tidx=tidx)
             res_bar = storage.res_full.data_ptr()
             if cutlass.const_expr(self.tma_mat is not None):
                 if warp_idx == 0:
@@ -341,10 +292,7 @@ def build_persistent_class() -> type:
                 ltid = tidx - 128 * wg
                 first_warp = warp_idx % 4 == 0
                 thr_mma = tiled_mma.get_slice(0)
-                tCsA = thr_mma.partition_A(sA)
-                tCsB = thr_mma.partition_B(sB)
-                tCrA = tiled_mma.make_fragment_A(tCsA)
-                tCrB = tiled_mma.make_fragment_B(tCsB)
+                tCrA, tCrB = self._mma_fragments(tiled_mma, thr_mma, sA, sB)
                 acc_shape = thr_mma.partition_shape_C((tm, tn))
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                 k_blocks = cute.size(tCrA, mode=[2])
@@ -353,17 +301,9 @@ def build_persistent_class() -> type:
 
                 # Epilogue store path: registers -> stmatrix -> this warpgroup's smem buffers -> TMA.
                 c_dtype = mC.element_type
-                r2s_atom = sm90.get_smem_store_op(self.c_layout, elem_ty_d=c_dtype, elem_ty_acc=self.acc_dtype)
-                stmatrix_atom = cute.make_copy_atom(
-                    cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), c_dtype
+                stmatrix_atom, r2s, tRS_sC, tRS_acc, sub_layout, sub, sub_size = self._stmatrix_store(
+                    tiled_mma, sC, acc, c_dtype, ltid
                 )
-                r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stmatrix_atom, tiled_mma))
-                thr_r2s = r2s.get_slice(ltid)
-                tRS_sC = thr_r2s.partition_D(sC)
-                tRS_acc = r2s.retile(acc)
-                sub_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
-                sub = cute.make_rmem_tensor_like(sub_layout, self.acc_dtype)
-                sub_size = cute.size(sub)
                 n_sub_m = tm // self.epi_tile[0]
                 n_sub_n = tn // self.epi_tile[1]
                 store_ring = pipeline.PipelineTmaStore.create(
@@ -472,9 +412,6 @@ def build_persistent_class() -> type:
                 if first_warp:
                     store_ring.producer_tail()
 
-            # No CTA may leave while a cluster peer can still multicast into it or signal its barriers.
-            if cutlass.const_expr(cm > 1):
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+            self._cluster_exit_sync(cm)
 
     return PersistentGemmKernel

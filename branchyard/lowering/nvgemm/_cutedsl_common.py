@@ -152,6 +152,49 @@ def build_base_class() -> type:
             sub = cute.make_rmem_tensor_like(sub_layout, self.acc_dtype)
             return StmatrixStore(stmatrix_atom, r2s, tRS_sC, tRS_acc, sub_layout, sub, cute.size(sub))
 
+        @cute.jit
+        def _mma_k_tile(self, tiled_mma: Any, acc: Any, tCrA: Any, tCrB: Any, ring: Any, read: Any, release: Any, kt: Any):
+            """Main-loop k-tile ``kt``: wait for stage ``read``, issue its wgmmas into ``acc``,
+            keep that batch in flight and release the stage the batch before it read
+            (``release``; none at the first k-tile). Returns ``release`` and ``read`` advanced:
+            the caller rebinds them (the tracer carries loop state only through its own
+            locals; in this order, the order the inline loop first wrote them in)."""
+            ring.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                coord = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            # Keep one wgmma batch in flight; the one before it has read its stage.
+            cute.nvgpu.warpgroup.wait_group(1)
+            if kt > 0:
+                ring.consumer_release(release)
+                release.advance()
+            read.advance()
+            return release, read
+
+        @cute.jit
+        def _store_sub_tile(
+            self, sub: Any, sub_layout: Any, c_dtype: Any, r2s: Any, tRS_sC: Any, buf: Any, tma_c: Any, bSG_sC: Any,
+            bSG_gC: Any, sub_coord: Any, store_ring: Any, leader: Any, barrier_id: Any, barrier_threads: Any,
+        ):
+            """Cast the fp32 sub-tile ``sub`` to ``c_dtype``, stmatrix it into epilogue buffer
+            ``buf`` and let ``leader`` TMA-store that buffer to ``sub_coord`` of the tile. The
+            named barrier ``barrier_id`` (over ``barrier_threads`` threads, None: the CTA) is
+            passed before the store (every thread has written the buffer) and after it (the
+            next write into the ring of buffers is free)."""
+            out_frag = cute.make_rmem_tensor_like(sub_layout, c_dtype)
+            out_frag.store(sub.load().to(c_dtype))
+            cute.copy(r2s, out_frag, tRS_sC[(None, None, None, buf)])
+            # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=barrier_threads)
+            if leader:
+                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, sub_coord)])
+                store_ring.producer_commit()
+                store_ring.producer_acquire()
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=barrier_threads)
+
         @staticmethod
         def _cluster_exit_sync(cluster_size: int) -> None:
             """No CTA may leave while a cluster peer can still multicast into it or

@@ -209,24 +209,12 @@ def _build_tile_class() -> type:
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            k_blocks = cute.size(tCrA, mode=[2])
             # Zeroed accumulators + always-accumulate: the traced loop body is the
             # same for every k-tile (no peeled first iteration needed).
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             for kt in cutlass.range(k_tiles, unroll=1):
-                ring.consumer_wait(read)
-                cute.nvgpu.warpgroup.fence()
-                for kb in cutlass.range_constexpr(k_blocks):
-                    coord = (None, None, kb, read.index)
-                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                # Keep one wgmma batch in flight; the one before it has read its stage.
-                cute.nvgpu.warpgroup.wait_group(1)
-                if kt > 0:
-                    ring.consumer_release(release)
-                    release.advance()
-                read.advance()
+                release, read = self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, ring, read, release, kt)
                 # Refill only the stage released just above: producing before the
                 # first release would make warp 0 wait on an empty barrier that
                 # needs its own (not yet sent) consumer arrival -- a deadlock.
@@ -289,18 +277,10 @@ def _build_tile_class() -> type:
             for s in cutlass.range_constexpr(n_sub):
                 for v in cutlass.range_constexpr(sub_size):
                     sub[v] = tRS_acc[s * sub_size + v]
-                out_frag = cute.make_rmem_tensor_like(sub_layout, c_dtype)
-                out_frag.store(sub.load().to(c_dtype))
-                buf = s % 4
-                cute.copy(r2s, out_frag, tRS_sC[(None, None, None, buf)])
-                # stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                pipeline.sync(barrier_id=1)
-                if warp_idx == 0:
-                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, sub_order.get_hier_coord(s))])
-                    store_ring.producer_commit()
-                    store_ring.producer_acquire()
-                pipeline.sync(barrier_id=1)
+                self._store_sub_tile(
+                    sub, sub_layout, c_dtype, r2s, tRS_sC, s % 4, tma_c, bSG_sC, bSG_gC, sub_order.get_hier_coord(s),
+                    store_ring, leader=warp_idx == 0, barrier_id=1, barrier_threads=None,
+                )
             if warp_idx == 0:
                 store_ring.producer_tail()
 

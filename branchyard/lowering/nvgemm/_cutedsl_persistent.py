@@ -295,7 +295,6 @@ def build_persistent_class() -> type:
                 tCrA, tCrB = self._mma_fragments(tiled_mma, thr_mma, sA, sB)
                 acc_shape = thr_mma.partition_shape_C((tm, tn))
                 acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-                k_blocks = cute.size(tCrA, mode=[2])
                 thr_c = tiled_mma.get_slice(ltid)
                 local = thr_c.partition_C(cute.make_identity_tensor((tm, tn)))
 
@@ -345,17 +344,7 @@ def build_persistent_class() -> type:
                         cute.arch.barrier(barrier_id=_ORDER_BAR + c, number_of_threads=256)
                     acc.fill(0.0)
                     for kt in cutlass.range(k_tiles, unroll=1):
-                        ring.consumer_wait(read)
-                        cute.nvgpu.warpgroup.fence()
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            coord = (None, None, kb, read.index)
-                            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-                        cute.nvgpu.warpgroup.commit_group()
-                        cute.nvgpu.warpgroup.wait_group(1)
-                        if kt > 0:
-                            ring.consumer_release(release)
-                            release.advance()
-                        read.advance()
+                        release, read = self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, ring, read, release, kt)
                     # Hand the tensor cores to the other warpgroup, if it has a next tile.
                     if t + num_clusters < cluster_tiles:
                         cute.arch.barrier_arrive(barrier_id=_ORDER_BAR + 1 - c, number_of_threads=256)
@@ -391,17 +380,11 @@ def build_persistent_class() -> type:
                                 res = cute.make_rmem_tensor_like(sub_layout, sR.element_type)
                                 cute.copy(s2r, tSR_sR[(None, None, None, s)], res)
                                 sub.store(apply_tail(self.tail, sub.load(), res.load().to(self.acc_dtype)))
-                            out_frag = cute.make_rmem_tensor_like(sub_layout, c_dtype)
-                            out_frag.store(sub.load().to(c_dtype))
-                            buf = c * _EPI_BUFFERS + s % _EPI_BUFFERS
-                            cute.copy(r2s, out_frag, tRS_sC[(None, None, None, buf)])
-                            cute.arch.fence_proxy("async.shared", space="cta")
-                            cute.arch.barrier(barrier_id=_EPI_BAR + c, number_of_threads=128)
-                            if first_warp:
-                                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (sm, sn))])
-                                store_ring.producer_commit()
-                                store_ring.producer_acquire()
-                            cute.arch.barrier(barrier_id=_EPI_BAR + c, number_of_threads=128)
+                            self._store_sub_tile(
+                                sub, sub_layout, c_dtype, r2s, tRS_sC, c * _EPI_BUFFERS + s % _EPI_BUFFERS, tma_c,
+                                bSG_sC, bSG_gC, (sm, sn), store_ring, leader=first_warp, barrier_id=_EPI_BAR + c,
+                                barrier_threads=128,
+                            )
                     if cutlass.const_expr(self.tma_mat is not None):
                         if first_warp and t + num_clusters < cluster_tiles:
                             self._load_residual(

@@ -101,13 +101,15 @@ def build_base_class() -> type:
             self.c_layout = c_layout
 
         # ---------------------------------------------------------------- device
-        @staticmethod
-        def _smem_tensors(storage: Any, sA_layout: Any, sB_layout: Any, sC_layout: Any) -> tuple[Any, Any, Any]:
-            """The A ring, B ring and epilogue buffers of ``storage`` as swizzled tensors."""
+        def _allocate_smem(self, sA_layout: Any, sB_layout: Any, sC_layout: Any) -> tuple[Any, Any, Any, Any]:
+            """This CTA's shared memory (the host call's ``Storage``), with its A ring, B
+            ring and epilogue buffers as swizzled tensors: ``storage, sA, sB, sC``."""
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(self.storage)
             sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
             sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
             sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-            return sA, sB, sC
+            return storage, sA, sB, sC
 
         def _ab_ring(
             self, storage: Any, sA_layout: Any, sB_layout: Any, cta_layout: Any, consumer_warps: int, tidx: Any = None
@@ -128,6 +130,22 @@ def build_base_class() -> type:
                 cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
                 tidx=tidx,
                 defer_sync=True,
+            )
+
+        @staticmethod
+        def _tma_partition_multicast(
+            tma: Any, smem: Any, gmem: Any, cta_layout: Any, cta_coord: Any, mode: int
+        ) -> tuple[Any, Any]:
+            """TMA partition of a ring and its global tiles for a load multicast along
+            cluster mode ``mode`` (0: M, as B is; 1: N, as A is): this CTA's share among
+            the peers it multicasts with. Returns ``(smem part, global part)``."""
+            peers = (None, 0, 0) if mode == 0 else (0, None, 0)
+            return cute.nvgpu.cpasync.tma_partition(
+                tma,
+                cta_coord[mode],
+                cute.make_layout(cute.slice_(cta_layout, peers).shape),
+                cute.group_modes(smem, 0, 2),
+                cute.group_modes(gmem, 0, 2),
             )
 
         @staticmethod

@@ -72,12 +72,7 @@ def _build_tile_class() -> type:
                 sR_layout = sm90.make_smem_layout_epi(
                     mR.element_type, utils.LayoutEnum.from_tensor(mR), (self.tile_mnk[0], self.tile_mnk[1]), 1
                 )
-                tma_r, gR = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                    mR,
-                    cute.slice_(sR_layout, (None, None, 0)),
-                    (self.tile_mnk[0], self.tile_mnk[1]),
-                )
+                tma_r, gR = self._tma_load(mR, sR_layout, (self.tile_mnk[0], self.tile_mnk[1]), 1)
                 self.r_dtype = mR.element_type
                 self.r_bytes = cute.size_in_bytes(mR.element_type, cute.slice_(sR_layout, (None, None, 0)))
 
@@ -159,9 +154,7 @@ def _build_tile_class() -> type:
                 mask_b = 0
 
             # ---- shared memory and the full/empty mbarrier ring
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.storage)
-            sA, sB, sC = self._smem_tensors(storage, sA_layout, sB_layout, sC_layout)
+            storage, sA, sB, sC = self._allocate_smem(sA_layout, sB_layout, sC_layout)
             # Each consumer warp releases a stage to every CTA that multicast into it.
             mcast_peers = self.cluster_mn[0] + self.cluster_mn[1] - 1
             ring = self._ab_ring(storage, sA_layout, sB_layout, cta_layout, mcast_peers * (self.threads // 32))
@@ -177,20 +170,8 @@ def _build_tile_class() -> type:
             gA = cute.local_tile(gA_full, self.tile_mnk, tile_coord, proj=(1, None, 1))  # (bM, bK, k)
             gB = cute.local_tile(gB_full, self.tile_mnk, tile_coord, proj=(None, 1, 1))  # (bN, bK, k)
             gC = cute.local_tile(gC_full, self.tile_mnk, tile_coord, proj=(1, 1, None))  # (bM, bN)
-            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                tma_a,
-                cta_coord[1],
-                cute.make_layout(cute.slice_(cta_layout, (0, None, 0)).shape),
-                cute.group_modes(sA, 0, 2),
-                cute.group_modes(gA, 0, 2),
-            )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b,
-                cta_coord[0],
-                cute.make_layout(cute.slice_(cta_layout, (None, 0, 0)).shape),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
+            tAsA, tAgA = self._tma_partition_multicast(tma_a, sA, gA, cta_layout, cta_coord, 1)
+            tBsB, tBgB = self._tma_partition_multicast(tma_b, sB, gB, cta_layout, cta_coord, 0)
             wg = cute.arch.make_warp_uniform(tidx // 128)
             thr_mma = tiled_mma.get_slice(cute.make_layout(self.config.warpgroups, stride=128)(wg))
             tCrA, tCrB = self._mma_fragments(tiled_mma, thr_mma, sA, sB)

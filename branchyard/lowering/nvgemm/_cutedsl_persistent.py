@@ -121,12 +121,7 @@ def build_persistent_class() -> type:
                 # tile buffer serves both consumers: their epilogues never overlap (see kernel).
                 self.r_layout = utils.LayoutEnum.from_tensor(mR)
                 sR_layout = sm90.make_smem_layout_epi(r_dtype, self.r_layout, self.epi_tile, self.n_sub)
-                tma_r, gR = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                    cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                    mR,
-                    cute.slice_(sR_layout, (None, None, 0)),
-                    self.epi_tile,
-                )
+                tma_r, gR = self._tma_load(mR, sR_layout, self.epi_tile, 1)
                 self.r_bytes = self.n_sub * cute.size_in_bytes(r_dtype, cute.slice_(sR_layout, (None, None, 0)))
 
             cm = self.cluster_mn[0]
@@ -232,9 +227,7 @@ def build_persistent_class() -> type:
             if cutlass.const_expr(cm == 1):
                 mask_b = 0
 
-            smem = cutlass.utils.SmemAllocator()
-            storage = smem.allocate(self.storage)
-            sA, sB, sC = self._smem_tensors(storage, sA_layout, sB_layout, sC_layout)
+            storage, sA, sB, sC = self._allocate_smem(sA_layout, sB_layout, sC_layout)
             # A stage is read by one consumer warpgroup (4 warps) in each CTA its B half went to.
             ring = self._ab_ring(storage, sA_layout, sB_layout, cta_layout, cm * 4, tidx=tidx)
             res_bar = storage.res_full.data_ptr()
@@ -251,13 +244,7 @@ def build_persistent_class() -> type:
             tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                 tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
             )
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b,
-                cta_coord[0],
-                cute.make_layout(cute.slice_(cta_layout, (None, 0, 0)).shape),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
+            tBsB, tBgB = self._tma_partition_multicast(tma_b, sB, gB, cta_layout, cta_coord, 0)
             k_tiles = cute.size(gA, mode=[3])
 
             pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)

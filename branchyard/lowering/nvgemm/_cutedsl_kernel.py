@@ -4,7 +4,9 @@ Kept apart because its class body needs ``cutlass`` at definition time; the
 class is built on first use by :func:`build_kernel_class`, so this module (like
 its caller) imports on machines without CuTeDSL. Written for this project
 against the CuTeDSL 4.x API (TMA atoms, wgmma tiled MMA, ``PipelineTmaAsync``);
-the design notes are in ``docs/nvgemm_kernel.md``.
+the design notes are in ``docs/nvgemm_kernel.md``. What it builds the same way as
+the persistent kernel (wgmma, rings, TMA atoms, the k-tile step, the sub-tile
+store) is on :mod:`._cutedsl_common`'s ``GemmKernelBase``.
 
 Per CTA (one ``tile_m x tile_n`` output tile)::
 

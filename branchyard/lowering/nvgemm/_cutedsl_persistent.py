@@ -2,8 +2,9 @@
 
 Chosen by ``GemmConfig(persistent=True)``; same contract and epilogue as
 :mod:`branchyard.lowering.nvgemm._cutedsl_kernel` (whose class is defined on
-first use for the same reason: the class body needs ``cutlass``). Design notes
-and figures: ``docs/nvgemm_kernel.md``.
+first use for the same reason: the class body needs ``cutlass``), and built on
+the same :mod:`._cutedsl_common` base. Design notes and figures:
+``docs/nvgemm_kernel.md``.
 
 One CTA per SM (a grid of #SMs CTAs, in clusters of ``cluster_m``) walks the
 output tiles ``cta, cta + #CTAs, cta + 2 #CTAs, ...`` (grouped raster), with

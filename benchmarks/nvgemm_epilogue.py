@@ -282,6 +282,7 @@ class ColumnTimer:
 
         self.args, self.row, self.floor_us = args, row, floor_us
         self._timer = at.cuda_event_timer
+        self._round_robin = at.time_round_robin
         self.replays: dict[str, Callable] = {}
         self._graphs: list = []
 
@@ -316,12 +317,7 @@ class ColumnTimer:
         self.replays[name] = graph.replay
 
     def run(self) -> dict[str, float]:
-        names = list(self.replays)
-        samples: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(max(1, self.args.rounds)):
-            shift = r % len(names) if names else 0
-            for name in names[shift:] + names[:shift]:
-                samples[name].append(self.eager(self.replays[name]))
+        samples = self._round_robin(self.replays, max(1, self.args.rounds), lambda name, fn: self.eager(fn))
         self._graphs.clear()
         return {n: statistics.median(v) for n, v in samples.items()}
 

@@ -43,8 +43,8 @@ import fcntl
 import functools
 import hashlib
 import importlib.metadata
-import json
 import itertools
+import json
 import logging
 import os
 import statistics
@@ -723,6 +723,21 @@ def numerics_error(got: torch.Tensor, ref: torch.Tensor, out_dtype: torch.dtype)
     return None
 
 
+def time_round_robin(
+    fns: Mapping[str, Callable[[], Any]], rounds: int, timer: Callable[[str, Callable[[], Any]], float],
+) -> dict[str, list[float]]:
+    """``timer(name, fn)`` of every function, ``rounds`` times, each round in
+    an order rotated by one: on a GPU whose clock drifts as it heats, a fixed
+    order would favour whichever function always ran first."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timer(name, fns[name]))
+    return samples
+
+
 #: Candidates whose first timing is within this factor of the fastest are timed again.
 CONTENDER_MARGIN = 1.10
 
@@ -852,8 +867,6 @@ class Autotuner:
                 bar.step(f"{cand.name}: excluded")
             else:
                 bar.step(f"{cand.name}: {result.timings[cand.name] * 1e3:.1f} us")
-        if result.timings:
-            self._rerun_contenders(problem, a, b_kn, operands, result, built)
         if not result.timings:
             raise LoweringError(
                 f"no candidate can run {problem}: "
@@ -861,6 +874,7 @@ class Autotuner:
                 where="nvgemm autotune",
                 hint="the reference path still runs it; check the exclusion reasons",
             )
+        self._rerun_contenders(problem, a, b_kn, operands, result, built)
         result.winner = min(result.timings, key=result.timings.__getitem__)
         result.impl = built[result.winner]
         self.results[key] = result
@@ -878,13 +892,12 @@ class Autotuner:
             return
         out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
         ops = list(operands)
-        samples = {n: [result.timings[n]] for n in close}
-        for r in range(self.rounds):
-            shift = r % len(close)
-            for name in close[shift:] + close[:shift]:
-                impl = built[name]
-                samples[name].append(float(self.timer(name, lambda impl=impl: impl(a, b_kn, ops, out))))
+        samples = time_round_robin(
+            {n: (lambda impl=built[n]: impl(a, b_kn, ops, out)) for n in close},
+            self.rounds, lambda name, fn: float(self.timer(name, fn)),
+        )
         for name in close:
+            samples[name].insert(0, result.timings[name])
             result.timings[name] = statistics.median(samples[name])
         result.rounds = {n: len(v) for n, v in samples.items()}
 

@@ -232,6 +232,7 @@ def bench_switch(results: dict, inductor: bool) -> list[str]:
             dict(name=name, us_per_step=t, equal=equal, nodes=cn, per_step=per_step, total=total,
                  summary=m.graph_nodes.summary() if m.graph_nodes else None)
         )
+    rows += hand_built_switch_rows(results, x, ks, entries[0][1], steps)
     if inductor:
         # One Inductor kernel for all 8 branches (x * a_k + b_k), the branch picked on the host.
         compiled = torch.compile(lambda y, a, b: y * a + b)
@@ -255,6 +256,39 @@ def bench_switch(results: dict, inductor: bool) -> list[str]:
         entries.append(("inductor", t))
     rows.append("")
     rows.append("SWITCH is " + ", ".join(f"{t / entries[0][1]:.2f}× faster than {name}" for name, t in entries[1:]) + ".")
+    return rows
+
+
+def hand_built_switch_rows(results: dict, x, ks, t_ours: float, steps: int) -> list[str]:
+    """The same switch loop as hand-built graphs (benchmarks/cuda_graph_reference.py):
+    SWITCH vs the one-kernel 8-IF chain with no branchyard code, in the issue's minimal
+    layout and in the node layout our lowering emits -- what ratio the hardware allows."""
+    from cuda_graph_reference import ReferenceSwitchLoop, switch_reference
+
+    scales, shifts = [a for a, _ in BRANCH_SCALES], [b for _, b in BRANCH_SCALES]
+    want = switch_reference(x, ks, scales, shifts)
+    rows, times = [], {}
+    for layout in ("minimal", "same"):
+        for lowering in ("switch", "chain"):
+            name = f"hand-built, {layout} layout, " + ("one SWITCH node" if lowering == "switch" else "8 IF nodes, one set kernel")
+            try:
+                r = ReferenceSwitchLoop(x.clone(), ks, scales, shifts, lowering, layout)
+                r.launch()
+                torch.cuda.synchronize()
+                equal = torch.allclose(r.x, want, rtol=1e-5, atol=1e-6)  # NVRTC may contract to FMA
+                t = r.time_ms(reps=5) * 1e3 / steps
+            except Exception as exc:  # keep the other rows
+                print(f"hand-built switch ({layout}, {lowering}) failed: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            times[(layout, lowering)] = t
+            rows.append(f"| {name} | {t:.2f} | {t / t_ours:.2f}× | – | {r.nodes_per_trip} | – | {'close' if equal else 'NO'} |")
+            results.setdefault("switch_hand_built", []).append(
+                dict(layout=layout, lowering=lowering, us_per_step=t, nodes_per_trip=r.nodes_per_trip, equal=bool(equal)))
+    for layout in ("minimal", "same"):
+        if (layout, "switch") in times and (layout, "chain") in times:
+            ratio = times[(layout, "chain")] / times[(layout, "switch")]
+            results[f"switch_hand_built_ratio_{layout}"] = ratio
+            rows.append(f"| hand-built {layout} layout: 8-IF chain / SWITCH | {ratio:.2f}× | | | | | |")
     return rows
 
 

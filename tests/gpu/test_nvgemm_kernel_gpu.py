@@ -117,6 +117,8 @@ PERSISTENT = [
     cg.GemmConfig(128, 128, residual_tma=False, persistent=True),
     cg.GemmConfig(128, 128, cluster_m=2, residual_tma=True, persistent=True),
     cg.GemmConfig(64, 256, residual_tma=True, persistent=True),
+    cg.GemmConfig(128, 64, cluster_m=2, residual_tma=True, persistent=True),
+    cg.GemmConfig(64, 128, cluster_m=2, residual_tma=True, persistent=True),
 ]
 
 

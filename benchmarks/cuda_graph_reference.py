@@ -236,7 +236,7 @@ class ReferenceSwitchLoop(_Timed):
             raise ValueError(f"lowering={lowering!r}, layout={layout!r}")
         torch.cuda.synchronize()
         k = _kernels()
-        self.ctx = ctx = _ok(cu.cuCtxGetCurrent())
+        self.ctx = _ok(cu.cuCtxGetCurrent())
         nb, numel = len(scales), x.numel()
         blocks = (numel + 255) // 256
         self.x, self.ks = x, ks
@@ -244,6 +244,7 @@ class ReferenceSwitchLoop(_Timed):
         self.n = torch.tensor(ks.numel(), dtype=torch.int64, device=x.device)
         self.idx = torch.zeros(1, dtype=torch.int64, device=x.device)
         self.y = torch.empty_like(x)
+        self.handles = torch.zeros(nb, dtype=torch.int64, device=x.device)  # filled after the capture
         self.stream = torch.cuda.Stream()
         self._side = [torch.cuda.Stream() for _ in range(2)]  # the loop body's and the branches' captures
         streams = [cu.CUstream(t.cuda_stream) for t in self._side]
@@ -266,6 +267,21 @@ class ReferenceSwitchLoop(_Timed):
 
         graph = _ok(cu.cuGraphCreate(0))
         _begin_capture(s, graph)
+        try:
+            body, bits = self._capture(graph, s, streams, launch, branch, lowering, layout, nb, blocks, numel)
+        except BaseException:
+            for stream in reversed([s, *streams]):  # leave no stream capturing (later work would fail)
+                cu.cuStreamEndCapture(stream)
+            raise
+        if bits:  # the chain's handles, read by its set kernel (no host-to-device copy during a capture)
+            self.handles.copy_(torch.tensor(bits, dtype=torch.int64))
+        self.graph = graph
+        #: kernel + conditional nodes that run in one trip: the loop body's and one branch's
+        self.nodes_per_trip = _ok(cu.cuGraphGetNodes(body, 0))[1] + (1 if layout == "minimal" else 2)
+        self.exec = _ok(cu.cuGraphInstantiate(graph, 0))
+
+    def _capture(self, graph, s, streams, launch, branch, lowering, layout, nb, blocks, numel):
+        ctx, x, ks, bits = self.ctx, self.x, self.ks, []
         h_while = _ok(cu.cuGraphConditionalHandleCreate(graph, ctx, 0, 0))
         launch(s, "start", 1, 1, (int(h_while), self.i.data_ptr(), self.n.data_ptr()), (U64, PTR, PTR))
         (body,) = _add_conditional(graph, s, ctx, h_while, cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1)
@@ -283,7 +299,6 @@ class ReferenceSwitchLoop(_Timed):
         else:
             hs = [_ok(cu.cuGraphConditionalHandleCreate(body, ctx, 0, 0)) for _ in range(nb)]
             bits = [int(h) - (1 << 64) if int(h) >= 1 << 63 else int(h) for h in hs]  # u64 handles in int64 storage
-            self.handles = torch.tensor(bits, dtype=torch.int64).to(x.device)
             launch(b, "set_chain", 1, 1, (self.handles.data_ptr(), idx, at, nb), (PTR, PTR, PTR, I32))
             bodies = []
             for h in hs:
@@ -300,10 +315,7 @@ class ReferenceSwitchLoop(_Timed):
                    (U64, PTR, PTR, PTR, PTR, I32))
         _ok(cu.cuStreamEndCapture(b))
         _ok(cu.cuStreamEndCapture(s))
-        self.graph = graph
-        #: kernel + conditional nodes that run in one trip: the loop body's and one branch's
-        self.nodes_per_trip = _ok(cu.cuGraphGetNodes(body, 0))[1] + (1 if layout == "minimal" else 2)
-        self.exec = _ok(cu.cuGraphInstantiate(graph, 0))
+        return body, bits
 
 
 def switch_reference(x: torch.Tensor, ks: torch.Tensor, scales: list[float], shifts: list[float]) -> torch.Tensor:

@@ -304,3 +304,22 @@ def test_second_process_loads_the_compiled_kernel_from_disk(tmp_path):
     assert torch.equal(torch.load(tmp_path / "out0.pt"), torch.load(tmp_path / "out1.pt"))
     (entry,) = (tmp_path / "cache" / "nvgemm" / "kernels").iterdir()
     assert json.loads((entry / "kernel.json").read_text())["compile_s"] > 0
+
+
+def test_event_timer_counts_device_time_not_host_time() -> None:
+    """A candidate with host overhead (guards, several launches) is ranked by its
+    kernels' device time, as it runs under CUDA graphs; real device time still counts."""
+    import time
+
+    x = torch.randn(1 << 20, device="cuda")
+
+    def host_heavy():
+        time.sleep(400e-6)  # Python/dispatch overhead: no GPU work
+        x.mul_(1.0)  # one ~5 us kernel
+
+    assert at.cuda_event_timer(host_heavy, reps=10) < 0.1  # ms: the kernel, not the 0.4 ms on the host
+
+    def device_heavy():
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU spinning at <= 2 GHz
+
+    assert at.cuda_event_timer(device_heavy, reps=5) > 0.5

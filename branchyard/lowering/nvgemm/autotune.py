@@ -384,9 +384,28 @@ class _L2Flush:
         self.buf.zero_()
 
 
-def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0) -> float:
-    """Median milliseconds of ``fn`` over CUDA events, L2 flushed before each run.
+#: Assumed GPU clock for ``torch.cuda._sleep`` (cycles): the H200 boosts to 1.98 GHz; a
+#: slower clock only makes the hold longer.
+_SLEEP_HZ = 2.0e9
 
+
+def _hold_gpu(seconds: float) -> None:
+    """Keep the current stream busy for about ``seconds`` with a spinning kernel, so
+    that the host can enqueue the timed launches before the GPU reaches them."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None and seconds > 0:
+        sleep(int(min(seconds, 0.5) * _SLEEP_HZ))
+
+
+def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0) -> float:
+    """Median device milliseconds of ``fn`` between CUDA events, L2 flushed before each run.
+
+    Device time, not host time: a spinning kernel holds the GPU while the host
+    enqueues every run, so a candidate's Python and launch overhead (a compiled
+    function's guards, one launch per kernel of an unfused chain) does not
+    count. Under CUDA graphs or a compiled program that overhead is not paid,
+    and at small M it is larger than the kernels themselves (20 us): timed
+    with it, a one-kernel candidate would win over faster multi-kernel ones.
     ``reps`` shrinks for slow functions so one candidate takes about ``max_ms``.
     """
     device = torch.device("cuda", torch.cuda.current_device())
@@ -394,7 +413,13 @@ def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    host = time.perf_counter()
+    fn()
+    flush()
+    host = time.perf_counter() - host  # enqueue time of one timed run
+    torch.cuda.synchronize()
     probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _hold_gpu(2 * host + 1e-3)
     probe_start.record()
     fn()
     probe_end.record()
@@ -403,6 +428,7 @@ def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, 
     reps = max(5, min(reps, int(max_ms / once)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    _hold_gpu(2 * reps * host + 1e-3)
     for s, e in zip(starts, ends):
         flush()
         s.record()

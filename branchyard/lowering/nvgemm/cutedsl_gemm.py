@@ -269,10 +269,6 @@ def candidate_configs(m: int, n: int, k: int, dtype: Any) -> list[GemmConfig]:
         ['t64x64_c1x1_o1_rtma', 't64x128_c1x1_o1_rtma']
     """
     configs = _candidate_configs(m)
-    if 256 < m <= 4096:
-        # Few tiles per SM (2048 x 4096: 512 tiles of 128x128 on 132 SMs, about two per
-        # consumer warpgroup): half-width tiles halve the epilogue left exposed at the end.
-        configs.append(GemmConfig(128, 64, cluster_m=2, persistent=True))
     if os.environ.get("BRANCHYARD_NVGEMM_RESIDUAL_TMA", "1") != "0":
         configs = [dataclasses.replace(c, residual_tma=True) for c in configs]
     return configs

@@ -426,3 +426,19 @@ def test_a_clear_winner_or_zero_rounds_needs_one_pass(tmp_path):
     rec = DriftingRecorder({"a": [1.00], "b": [1.01]})
     res = _tuner(rec, tmp_path / "zero", rounds=0).tune(*_inputs(), SPEC)
     assert res.winner == "a" and res.rounds == {} and rec.timed == ["a", "b"]
+
+
+def test_round_robin_varies_position_and_neighbours():
+    """Every function is timed once per round, at a different position each round,
+    and after different functions (a rotation alone keeps the same predecessor)."""
+    order: list[str] = []
+    fns = {name: (lambda: None) for name in "abcd"}
+    samples = at.time_round_robin(fns, 4, lambda name, fn: order.append(name) or float(len(order)))
+    assert {n: len(v) for n, v in samples.items()} == {n: 4 for n in "abcd"}
+    rounds = [order[i : i + 4] for i in range(0, 16, 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    for name in "abcd":
+        assert len({r.index(name) for r in rounds}) > 1, name
+        before = {r[r.index(name) - 1] for r in rounds if r.index(name) > 0}
+        assert len(before) > 1, f"{name} always follows {before}"
+    assert samples["a"] == [float(order_i + 1) for order_i, n in enumerate(order) if n == "a"]

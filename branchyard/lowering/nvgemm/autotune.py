@@ -752,14 +752,21 @@ def numerics_error(got: torch.Tensor, ref: torch.Tensor, out_dtype: torch.dtype)
 def time_round_robin(
     fns: Mapping[str, Callable[[], Any]], rounds: int, timer: Callable[[str, Callable[[], Any]], float],
 ) -> dict[str, list[float]]:
-    """``timer(name, fn)`` of every function, ``rounds`` times, each round in
-    an order rotated by one: on a GPU whose clock drifts as it heats, a fixed
-    order would favour whichever function always ran first."""
+    """``timer(name, fn)`` of every function, ``rounds`` times, round ``r`` in
+    the order rotated by ``r`` and, on odd rounds (of three or more functions), reversed.
+
+    The H200's clock drifts as it heats and drops under a power-hungry kernel:
+    a fixed order would favour whichever function always ran first, and a
+    rotation alone keeps every function after the same neighbour (measured:
+    the same kernel 2-8% apart in two columns with different predecessors).
+    Reversing every other round gives each function both neighbours.
+    """
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         shift = r % len(names) if names else 0
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in reversed(order) if r % 2 and len(names) > 2 else order:  # two: rotating alternates them
             samples[name].append(timer(name, fns[name]))
     return samples
 

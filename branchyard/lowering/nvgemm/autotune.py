@@ -397,17 +397,23 @@ def _hold_gpu(seconds: float) -> None:
         sleep(int(min(seconds, 0.5) * _SLEEP_HZ))
 
 
-def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0) -> float:
-    """Median device milliseconds of ``fn`` between CUDA events, L2 flushed before each run.
+def cuda_event_timer(
+    fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0, device_only: bool = True,
+) -> float:
+    """Median milliseconds of ``fn`` between CUDA events, L2 flushed before each run.
 
-    Device time, not host time: a spinning kernel holds the GPU while the host
-    enqueues every run, so a candidate's Python and launch overhead (a compiled
-    function's guards, one launch per kernel of an unfused chain) does not
-    count. Under CUDA graphs or a compiled program that overhead is not paid,
-    and at small M it is larger than the kernels themselves (20 us): timed
-    with it, a one-kernel candidate would win over faster multi-kernel ones.
-    ``reps`` shrinks for slow functions so one candidate takes about ``max_ms``.
+    ``device_only`` (the default): device time, not host time. A spinning
+    kernel holds the GPU while the host enqueues every run, so a candidate's
+    Python and launch overhead (a compiled function's guards, one launch per
+    kernel of an unfused chain) does not count. Under CUDA graphs or a
+    compiled program that overhead is not paid, and at small M it is larger
+    than the kernels themselves (20 us): timed with it, a one-kernel
+    candidate would win over faster multi-kernel ones. ``device_only=False``
+    times what an eager caller waits for, host overhead included wherever
+    it exceeds the GPU's work. ``reps`` shrinks for slow functions so one
+    candidate takes about ``max_ms``.
     """
+    hold = _hold_gpu if device_only else (lambda seconds: None)
     device = torch.device("cuda", torch.cuda.current_device())
     flush = _L2Flush(device)
     for _ in range(warmup):
@@ -419,7 +425,7 @@ def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, 
     host = time.perf_counter() - host  # enqueue time of one timed run
     torch.cuda.synchronize()
     probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _hold_gpu(2 * host + 1e-3)
+    hold(2 * host + 1e-3)
     probe_start.record()
     fn()
     probe_end.record()
@@ -428,7 +434,7 @@ def cuda_event_timer(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, 
     reps = max(5, min(reps, int(max_ms / once)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    _hold_gpu(2 * reps * host + 1e-3)
+    hold(2 * reps * host + 1e-3)
     for s, e in zip(starts, ends):
         flush()
         s.record()

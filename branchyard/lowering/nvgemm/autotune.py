@@ -761,11 +761,11 @@ def time_round_robin(
     """``timer(name, fn)`` of every function, ``rounds`` times, round ``r`` in
     the order rotated by ``r`` and, on odd rounds (of three or more functions), reversed.
 
-    The H200's clock drifts as it heats and drops under a power-hungry kernel:
-    a fixed order would favour whichever function always ran first, and a
-    rotation alone keeps every function after the same neighbour (measured:
-    the same kernel 2-8% apart in two columns with different predecessors).
-    Reversing every other round gives each function both neighbours.
+    The H200's clock drifts as it heats and may drop after a power-hungry
+    kernel: a fixed order would favour whichever function always ran first,
+    and a rotation alone keeps every function after the same neighbour (in a
+    rotation-only sweep the same kernel measured up to 8% apart in two
+    columns). Reversing every other round gives each function both neighbours.
     """
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}

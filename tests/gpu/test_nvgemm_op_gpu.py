@@ -325,3 +325,29 @@ def test_event_timer_counts_device_time_not_host_time() -> None:
         torch.cuda._sleep(2_000_000)  # ~1 ms of GPU spinning at <= 2 GHz
 
     assert at.cuda_event_timer(device_heavy, reps=5) > 0.5
+
+
+def test_paired_ratio_measures_device_time_side_by_side() -> None:
+    """One function against itself is 1 within noise; twice the work is about 2;
+    host overhead in one of them does not count."""
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def once():
+        torch.mm(a, a)
+
+    def twice():
+        torch.mm(a, a)
+        torch.mm(a, a)
+
+    def host_heavy():
+        time.sleep(300e-6)
+        torch.mm(a, a)
+
+    same, spread = at.paired_ratio(once, once, pairs=30)
+    assert abs(same - 1.0) < 0.03 and spread < 0.05, (same, spread)
+    double, _ = at.paired_ratio(twice, once, pairs=30)
+    assert 1.8 < double < 2.2, double
+    hidden, _ = at.paired_ratio(host_heavy, once, pairs=30)
+    assert abs(hidden - 1.0) < 0.05, hidden

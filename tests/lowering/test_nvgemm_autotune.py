@@ -442,3 +442,23 @@ def test_round_robin_varies_position_and_neighbours():
         before = {r[r.index(name) - 1] for r in rounds if r.index(name) > 0}
         assert len(before) > 1, f"{name} always follows {before}"
     assert samples["a"] == [float(order_i + 1) for order_i, n in enumerate(order) if n == "a"]
+
+
+def test_paired_order_alternates_which_runs_first():
+    assert at.paired_order(4) == [(0, 1), (1, 0), (0, 1), (1, 0)]
+    assert at.paired_order(0) == []
+
+
+def test_ratio_summary_is_the_median_of_per_pair_ratios():
+    # A drifting clock: both functions slow down together; the per-pair ratio does not move,
+    # while the ratio of the two medians would if the pairs' times were not adjacent.
+    first = [1.0, 1.1, 1.2, 1.3, 1.4]
+    second = [2.0, 2.2, 2.4, 2.6, 2.8]
+    med, half_iqr = at.ratio_summary(first, second)
+    assert med == pytest.approx(0.5) and half_iqr == pytest.approx(0.0)
+    med, half_iqr = at.ratio_summary([1.0, 3.0, 2.0], [1.0, 1.0, 1.0])
+    assert med == 2.0 and half_iqr > 0
+    with pytest.raises(LoweringError, match="paired_ratio: .*2 and 3 timings"):
+        at.ratio_summary([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(LoweringError, match="0 and 0"):
+        at.ratio_summary([], [])

@@ -444,6 +444,64 @@ def cuda_event_timer(
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def paired_order(pairs: int) -> list[tuple[int, int]]:
+    """Run order of :func:`paired_ratio`: pair ``i`` runs (0, 1) when ``i`` is
+    even and (1, 0) when odd, so neither function always runs first."""
+    return [(0, 1) if i % 2 == 0 else (1, 0) for i in range(pairs)]
+
+
+def ratio_summary(first_ms: Sequence[float], second_ms: Sequence[float]) -> tuple[float, float]:
+    """Median and half the interquartile range of the per-pair ratios ``first / second``."""
+    if len(first_ms) != len(second_ms) or not first_ms:
+        raise LoweringError(f"paired_ratio: paired timings need two equal, non-empty lists "
+                            f"(got {len(first_ms)} and {len(second_ms)} timings)")
+    ratios = sorted(a / b for a, b in zip(first_ms, second_ms))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(ratios), (q[2] - q[0]) / 2
+
+
+def paired_ratio(
+    first: Callable[[], Any], second: Callable[[], Any], *, pairs: int = 40, warmup: int = 2,
+) -> tuple[float, float]:
+    """Device time of ``first`` over ``second``, measured in adjacent pairs.
+
+    Each pair runs both functions back to back (L2 flushed before each, the
+    order alternating between pairs, see :func:`paired_order`) and gives one
+    ratio; returns the median ratio and half its interquartile range. Two
+    functions timed in separate blocks (as :func:`cuda_event_timer` does)
+    see the clock at different moments, and the H200's clock moves by up to
+    15% as it heats; within a pair both see the same clock. It is also a
+    fresh measurement: the best of several columns, chosen by their times,
+    is biased low by that choice, and re-timing it in pairs is not.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = _L2Flush(device)
+    fns = (first, second)
+    for _ in range(warmup):
+        first()
+        second()
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    for fn in fns:
+        flush()
+        fn()
+    host = time.perf_counter() - host  # enqueue time of one pair
+    torch.cuda.synchronize()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(pairs)]
+              for _ in fns]
+    _hold_gpu(2 * pairs * host + 1e-3)
+    for i, order in enumerate(paired_order(pairs)):
+        for which in order:
+            start, end = events[which][i]
+            flush()
+            start.record()
+            fns[which]()
+            end.record()
+    torch.cuda.synchronize()
+    first_ms, second_ms = ([s.elapsed_time(e) for s, e in evs] for evs in events)
+    return ratio_summary(first_ms, second_ms)
+
+
 # --- candidates ----------------------------------------------------------------------
 
 

@@ -426,6 +426,7 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
             row["picked_tuned_us"] = res.timings[res.winner] * 1e3
             row["tuned_us"] = {name: ms * 1e3 for name, ms in res.timings.items()}
             row["excluded"] = res.excluded
+            row["playoff"] = res.playoff
 
         times = cols.run()
         if args.pairs > 0:

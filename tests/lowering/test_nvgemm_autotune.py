@@ -462,3 +462,51 @@ def test_ratio_summary_is_the_median_of_per_pair_ratios():
         at.ratio_summary([1.0, 2.0], [1.0, 2.0, 3.0])
     with pytest.raises(LoweringError, match="0 and 0"):
         at.ratio_summary([], [])
+
+
+class RunRecorder(Recorder):
+    """Also records which candidate each call of a built implementation ran."""
+
+    def __init__(self, times):
+        super().__init__(times)
+        self.ran: list[str] = []
+
+    def candidate(self, name: str) -> Candidate:
+        inner = super().candidate(name)
+
+        def build(problem):
+            impl = inner.build(problem)
+            return lambda *args: (self.ran.append(name), impl(*args))[1]
+
+        return Candidate(name, build)
+
+
+def test_close_candidates_meet_the_leader_in_a_paired_playoff(tmp_path):
+    # Medians: a leads b by 1% and c by 4%; d is outside the 5% playoff margin.
+    rec = RunRecorder({"a": 1.00, "b": 1.01, "c": 1.04, "d": 1.20})
+    truth = {"a": 1.00, "b": 0.97, "c": 0.99, "d": 0.90}  # what adjacent pairs measure
+    met: list[tuple[str, str]] = []
+
+    def pair(f, g):
+        rec.ran.clear()
+        f(), g()
+        met.append(tuple(rec.ran))
+        return truth[rec.ran[0]] / truth[rec.ran[1]]
+
+    res = _tuner(rec, tmp_path, rounds=0, pair=pair).tune(*_inputs(), SPEC)
+    assert met == [("b", "a"), ("c", "b")]  # b took the lead, then c met b, not a; d never played
+    assert res.winner == "b"
+    assert [(p["candidate"], p["leader"]) for p in res.playoff] == met
+    assert res.playoff[0]["ratio"] == pytest.approx(0.97) and res.playoff[1]["ratio"] == pytest.approx(0.99 / 0.97)
+    (entry,) = json.loads((tmp_path / "winners.json").read_text())["entries"].values()
+    assert entry["winner"] == "b" and len(entry["playoff"]) == 2
+
+
+def test_no_playoff_without_a_pair_function_or_a_close_candidate(tmp_path):
+    rec = RunRecorder({"a": 1.00, "b": 1.01})
+    res = _tuner(rec, tmp_path / "none", rounds=0).tune(*_inputs(), SPEC)  # custom timer, no pair
+    assert res.winner == "a" and res.playoff == []
+    calls = []
+    rec = RunRecorder({"a": 1.00, "b": 1.50})
+    res = _tuner(rec, tmp_path / "far", rounds=0, pair=lambda f, g: calls.append(1) or 0.5).tune(*_inputs(), SPEC)
+    assert res.winner == "a" and res.playoff == [] and calls == []

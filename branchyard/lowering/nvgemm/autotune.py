@@ -196,6 +196,8 @@ class TuneResult:
     from_cache: bool = False
     #: How many timings each re-timed contender's median is over (empty: one pass decided).
     rounds: dict[str, int] = field(default_factory=dict)
+    #: The paired playoff, in order: each candidate's time over the then leader's (< 1: it took the lead).
+    playoff: list[dict[str, Any]] = field(default_factory=list)
     impl: Impl | None = field(default=None, repr=False, compare=False)
 
     def table(self) -> str:
@@ -838,6 +840,10 @@ def time_round_robin(
 #: Candidates whose first timing is within this factor of the fastest are timed again.
 CONTENDER_MARGIN = 1.10
 
+#: After the rounds, candidates whose median is within this factor of the leader's meet it
+#: in a paired comparison (:func:`paired_ratio`), which decides the winner.
+PLAYOFF_MARGIN = 1.05
+
 
 class Autotuner:
     """Pick, build and cache the fastest candidate per problem.
@@ -847,14 +853,22 @@ class Autotuner:
     :func:`cuda_event_timer`); ``db`` (default :class:`WinnerDB` in
     :func:`cache_dir`); ``env`` (default :func:`environment`); ``progress``
     (default: env ``BRANCHYARD_NVGEMM_PROGRESS`` != ``0``); ``rounds``
-    (default: env ``BRANCHYARD_NVGEMM_TUNE_ROUNDS``, else 3).
+    (default: env ``BRANCHYARD_NVGEMM_TUNE_ROUNDS``, else 3); ``pair(fn_a,
+    fn_b) -> time_a / time_b`` for the playoff (default: :func:`paired_ratio`
+    with env ``BRANCHYARD_NVGEMM_TUNE_PAIRS`` pairs, else 40, where the
+    default timer is used; no playoff with a custom ``timer`` and no ``pair``).
 
     Every candidate is timed once; those within :data:`CONTENDER_MARGIN` of
     the fastest are then timed again in ``rounds`` round-robin rounds, each
     in a rotated order, and ranked by the median of all their timings. A
     GPU's clock drifts as it heats (15% on the H200 within a minute of
     GEMMs), so one pass in a fixed order favours whichever ran on a cooler
-    chip; the rounds cost time only where the call is close.
+    chip; the rounds cost time only where the call is close. Last, a
+    playoff: the leader meets every candidate within :data:`PLAYOFF_MARGIN`
+    of it in adjacent pairs, and the faster of each pair leads on. Medians
+    of separate blocks still differed by 3% on the H200 where adjacent
+    pairs resolve 0.5% (docs/benchmarks.md), and at 8192x4096x14336 they
+    picked a candidate 3% slower than ours.
     """
 
     def __init__(
@@ -867,8 +881,13 @@ class Autotuner:
         progress: bool | None = None,
         stream: Any = None,
         rounds: int | None = None,
+        pair: Callable[[Callable[[], Any], Callable[[], Any]], float] | None = None,
     ) -> None:
         self._candidates = candidates if candidates is not None else default_candidates
+        if pair is None and timer is None:
+            pairs = int(os.environ.get("BRANCHYARD_NVGEMM_TUNE_PAIRS", "40"))
+            pair = (lambda f, g: paired_ratio(f, g, pairs=pairs)[0]) if pairs > 0 else None
+        self.pair = pair
         self.timer = timer if timer is not None else (lambda name, fn: cuda_event_timer(fn))
         self.db = db if db is not None else WinnerDB()
         self.env = dict(env) if env is not None else None
@@ -972,11 +991,12 @@ class Autotuner:
                 hint="the reference path still runs it; check the exclusion reasons",
             )
         self._rerun_contenders(problem, a, b_kn, operands, result, built)
-        result.winner = min(result.timings, key=result.timings.__getitem__)
+        result.winner = self._playoff(problem, a, b_kn, operands, result, built)
         result.impl = built[result.winner]
         self.results[key] = result
         self.db.put(key, {
             "winner": result.winner, "timings": result.timings, "excluded": result.excluded,
+            "playoff": result.playoff,
             "problem": str(problem), "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })
         logger.info("nvgemm: %s -> %s\n%s", problem, result.winner, result.table())
@@ -997,6 +1017,22 @@ class Autotuner:
             samples[name].insert(0, result.timings[name])
             result.timings[name] = statistics.median(samples[name])
         result.rounds = {n: len(v) for n, v in samples.items()}
+
+    def _playoff(self, problem, a, b_kn, operands, result, built) -> str:
+        leader = min(result.timings, key=result.timings.__getitem__)
+        close = sorted((n for n, t in result.timings.items()
+                        if n != leader and t <= result.timings[leader] * PLAYOFF_MARGIN), key=result.timings.get)
+        if self.pair is None or not close:
+            return leader
+        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
+        ops = list(operands)
+        run = lambda name: (lambda impl=built[name]: impl(a, b_kn, ops, out))
+        for name in close:
+            ratio = float(self.pair(run(name), run(leader)))
+            result.playoff.append({"candidate": name, "leader": leader, "ratio": ratio})
+            if ratio < 1.0:
+                leader = name
+        return leader
 
     def _try(self, cand, problem, a, b_kn, operands, ref, result, built) -> str | None:
         try:

@@ -599,7 +599,11 @@ def _inductor_build(problem: Problem, mode: str) -> Impl:
         _INDUCTOR_FNS[key] = compiled
 
     def impl(a, b_kn, operands, out):
-        return compiled(a, b_kn, *operands)
+        # Always below autograd, as inside our custom op: Dynamo guards on the
+        # inputs' dispatch keys, and a call from each side would compile (and
+        # max-autotune) the chain twice, into possibly different kernels.
+        with torch._C._AutoDispatchBelowAutograd():
+            return compiled(a, b_kn, *operands)
 
     return impl
 

@@ -65,7 +65,11 @@ How the sweep stays tractable without handicapping a column:
 
 Targets checked at the end: at M >= 2048 ``ours`` within 1.05x of ``mm``;
 geomean over M >= 2048 of (best alternative not ours) / ours >= 1.10; the
-autotuned op end to end within 2% of the best column.
+autotuned op end to end within 2% of the best column. Each is judged twice:
+on the round-robin medians, and on ratios measured again in ``--pairs``
+adjacent pairs against every column within 5% of the best
+(:func:`paired_checks`; the ``paired`` object of a JSON row), which see one
+clock per pair and are not biased by the choice of the best column.
 """
 
 from __future__ import annotations

@@ -557,63 +557,50 @@ def picked_column_vs_best(row: dict) -> float | None:
     return t / min(every) if t and every else None
 
 
-def paired_targets(rows: list[dict]) -> list[str]:
-    """The three targets judged on the paired re-measurements (:func:`paired_checks`)."""
+def target_lines(rows: list[dict], ratio: Callable[[dict, str], float | None], label: str) -> list[str]:
+    """The issue's three targets on one measure, each with PASS/FAIL and its
+    numbers; ``ratio(row, key)`` gives a row's ``ours_vs_mm``, ``speedup`` and
+    ``op_vs_best`` (``None`` where the row has none)."""
     large = [r for r in rows if r["m"] >= LARGE_M]
     where = lambda r: f"M={r['m']} N={r['n']} K={r['k']} {r['chain']}"
     out = []
-    near = [(x, r) for r in large if (x := paired(r, "ours_vs_mm")) is not None]
+    near = [(x, r) for r in large if (x := ratio(r, "ours_vs_mm")) is not None]
     if near:
         ok = sum(1 for x, _ in near if x <= 1.05)
         worst, wr = max(near, key=lambda t: t[0])
-        out.append(f"[{'PASS' if ok == len(near) else 'FAIL'}] (paired) ours within 1.05x of plain mm at "
+        out.append(f"[{'PASS' if ok == len(near) else 'FAIL'}] ({label}) ours within 1.05x of plain mm at "
                    f"M>={LARGE_M}: {ok}/{len(near)} rows (worst {worst:.3f}x: {where(wr)})")
-    sp = [x for r in large if (x := paired(r, "speedup")) is not None]
-    if sp:
-        geo = math.exp(sum(math.log(x) for x in sp) / len(sp))
-        out.append(f"[{'PASS' if geo >= 1.10 else 'FAIL'}] (paired) geomean speedup of ours over the best non-ours "
-                   f"alternative at M>={LARGE_M}: {geo:.3f}x (target >= 1.10x) over {len(sp)} rows")
-    ob = [(x, r) for r in rows if (x := paired(r, "op_vs_best")) is not None]
-    if ob:
-        bad = [x for x, _ in ob if x > 1.02]
-        worst, wr = max(ob, key=lambda t: t[0])
-        out.append(f"[{'PASS' if not bad else 'FAIL'}] (paired) autotuned op within 2% of the fastest candidate "
-                   f"column: {len(ob) - len(bad)}/{len(ob)} rows (worst {worst:.3f}x: {where(wr)}, "
-                   f"picked {wr.get('picked')})")
-    ctl = [(x, r) for r in rows if (x := paired(r, "control")) is not None]
-    if ctl:
-        dev = max(ctl, key=lambda t: abs(t[0] - 1.0))
-        spread = max(r["paired"]["control"]["half_iqr"] for _, r in ctl)
-        out.append(f"(info) paired control, the best column against itself: worst {dev[0]:.4f} "
-                   f"({where(dev[1])}); largest half-IQR of a pair ratio {spread:.4f}")
-    return out
-
-
-def targets(rows: list[dict]) -> list[str]:
-    """The issue's three targets, each with PASS/FAIL and its numbers: first on
-    the round-robin medians of the table, then on the paired re-measurements."""
-    large = [r for r in rows if r["m"] >= LARGE_M]
-    out = []
-    near = [(derived(r)["ours_vs_mm"], r) for r in large if derived(r)["ours_vs_mm"] is not None]
-    if near:
-        ok = sum(1 for x, _ in near if x <= 1.05)
-        worst, wr = max(near, key=lambda t: t[0])
-        out.append(f"[{'PASS' if ok == len(near) else 'FAIL'}] (round-robin) ours within 1.05x of plain mm at M>={LARGE_M}: "
-                   f"{ok}/{len(near)} rows (worst {worst:.3f}x: M={wr['m']} N={wr['n']} K={wr['k']} {wr['chain']})")
-    sp = [derived(r)["speedup"] for r in large if derived(r)["speedup"] is not None]
+    sp = [x for r in large if (x := ratio(r, "speedup")) is not None]
     if sp:
         geo = math.exp(sum(math.log(x) for x in sp) / len(sp))
         no_inductor = sum(1 for r in large if r.get("inductor") is None)
-        out.append(f"[{'PASS' if geo >= 1.10 else 'FAIL'}] (round-robin) geomean speedup of ours over the best non-ours "
+        out.append(f"[{'PASS' if geo >= 1.10 else 'FAIL'}] ({label}) geomean speedup of ours over the best non-ours "
                    f"alternative at M>={LARGE_M}: {geo:.3f}x (target >= 1.10x) over {len(sp)} rows"
                    + (f"; {no_inductor} of them without an Inductor time" if no_inductor else ""))
-    ob = [(derived(r)["op_vs_best"], r) for r in rows if derived(r)["op_vs_best"] is not None]
+    ob = [(x, r) for r in rows if (x := ratio(r, "op_vs_best")) is not None]
     if ob:
         bad = [x for x, _ in ob if x > 1.02]
         worst, wr = max(ob, key=lambda t: t[0])
-        out.append(f"[{'PASS' if not bad else 'FAIL'}] (round-robin) autotuned op (end to end) within 2% of the best column: "
-                   f"{len(ob) - len(bad)}/{len(ob)} rows (worst {worst:.3f}x: M={wr['m']} N={wr['n']} K={wr['k']} "
-                   f"{wr['chain']}, picked {wr.get('picked')})")
+        out.append(f"[{'PASS' if not bad else 'FAIL'}] ({label}) autotuned op (end to end) within 2% of the best "
+                   f"candidate column: {len(ob) - len(bad)}/{len(ob)} rows (worst {worst:.3f}x: {where(wr)}, "
+                   f"picked {wr.get('picked')})")
+    return out
+
+
+def paired_control_line(rows: list[dict]) -> list[str]:
+    ctl = [(x, r) for r in rows if (x := paired(r, "control")) is not None]
+    if not ctl:
+        return []
+    dev, dr = max(ctl, key=lambda t: abs(t[0] - 1.0))
+    spread = max(r["paired"]["control"]["half_iqr"] for _, r in ctl)
+    return [f"(info) paired control, the best column against itself: worst {dev:.4f} "
+            f"(M={dr['m']} N={dr['n']} K={dr['k']} {dr['chain']}); largest half-IQR of a pair ratio {spread:.4f}"]
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The issue's three targets, first on the round-robin medians of the
+    table, then on the paired re-measurements, and the informative lines."""
+    out = target_lines(rows, lambda r, key: derived(r)[key], "round-robin")
     # op_eager_host: host-inclusive (rows from before f39b209 call it op_eager; rows from f39b209
     # to this change have an op_eager timed as device time, which says nothing of the host)
     eager = [(r["op_eager_host"] / min(r[c] for c in CANDIDATE_COLUMNS if r.get(c) is not None), r) for r in rows
@@ -638,7 +625,7 @@ def targets(rows: list[dict]) -> list[str]:
     if compiles:
         out.append(f"(info) Inductor compile: {sum(compiles):.0f}s over {len(compiles)} rows "
                    f"(mean {sum(compiles) / len(compiles):.1f}s, max {max(compiles):.1f}s)")
-    return out + paired_targets(rows)
+    return out + target_lines(rows, paired, "paired") + paired_control_line(rows)
 
 
 def markdown(rows: list[dict], env: dict) -> str:

@@ -869,10 +869,11 @@ class Autotuner:
     GEMMs), so one pass in a fixed order favours whichever ran on a cooler
     chip; the rounds cost time only where the call is close. Last, a
     playoff: the leader meets every candidate within :data:`PLAYOFF_MARGIN`
-    of it in adjacent pairs, and the faster of each pair leads on. Medians
-    of separate blocks still differed by 3% on the H200 where adjacent
-    pairs resolve 0.5% (docs/benchmarks.md), and at 8192x4096x14336 they
-    picked a candidate 3% slower than ours.
+    of it in adjacent pairs, and the faster of each pair leads on: on the
+    H200 one kernel paired with itself stays within ~1%, where medians of
+    separate blocks differed by up to 3% (docs/benchmarks.md). Where two
+    different kernels' paired ratio itself drifts by a few percent within a
+    minute (seen at 8192x4096x14336), no one-time pick settles it.
     """
 
     def __init__(

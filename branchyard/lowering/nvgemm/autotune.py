@@ -1012,10 +1012,8 @@ class Autotuner:
         close = [n for n, t in result.timings.items() if t <= best * CONTENDER_MARGIN]
         if len(close) < 2 or self.rounds < 1:
             return
-        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
-        ops = list(operands)
         samples = time_round_robin(
-            {n: (lambda impl=built[n]: impl(a, b_kn, ops, out)) for n in close},
+            self._callers(problem, a, b_kn, operands, built, close),
             self.rounds, lambda name, fn: float(self.timer(name, fn)),
         )
         for name in close:
@@ -1023,17 +1021,22 @@ class Autotuner:
             result.timings[name] = statistics.median(samples[name])
         result.rounds = {n: len(v) for n, v in samples.items()}
 
+    @staticmethod
+    def _callers(problem, a, b_kn, operands, built, names) -> dict[str, Callable[[], Any]]:
+        """A no-argument call of each named built candidate, all writing one output buffer."""
+        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
+        ops = list(operands)
+        return {n: (lambda impl=built[n]: impl(a, b_kn, ops, out)) for n in names}
+
     def _playoff(self, problem, a, b_kn, operands, result, built) -> str:
         leader = min(result.timings, key=result.timings.__getitem__)
         close = sorted((n for n, t in result.timings.items()
                         if n != leader and t <= result.timings[leader] * PLAYOFF_MARGIN), key=result.timings.get)
         if self.pair is None or not close:
             return leader
-        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
-        ops = list(operands)
-        run = lambda name: (lambda impl=built[name]: impl(a, b_kn, ops, out))
+        run = self._callers(problem, a, b_kn, operands, built, [leader, *close])
         for name in close:
-            ratio = float(self.pair(run(name), run(leader)))
+            ratio = float(self.pair(run[name], run[leader]))
             result.playoff.append({"candidate": name, "leader": leader, "ratio": ratio})
             if ratio < 1.0:
                 leader = name

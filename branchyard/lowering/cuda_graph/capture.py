@@ -25,6 +25,7 @@ walk serves four phases (:class:`Phase`):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
 import warnings
@@ -327,6 +328,15 @@ def warn_fallback(reason: str) -> None:
 
 
 # --------------------------------------------------------------------------- the module
+def _graph_timing() -> Any:
+    """While warming up for a capture, NVGEMM ops tune for device time (a graph has no host dispatch)."""
+    try:
+        from branchyard.lowering.nvgemm import timing_mode
+    except ImportError:  # an nvgemm without timing modes: it tunes as it always does
+        return contextlib.nullcontext()
+    return timing_mode("device")
+
+
 def _as_graph_module(program: Any) -> GraphModule:
     if isinstance(program, torch.export.ExportedProgram):
         return program.module()
@@ -391,8 +401,11 @@ class CudaGraphModule(torch.nn.Module):
         if_else: str = "auto",
         switch: str = "node",
         clone_outputs: bool = True,
+        pool: Any = None,
     ):
         super().__init__()
+        #: memory pool handle shared with other graphs (``torch.cuda.graph_pool_handle()``), or None for a new one
+        self.pool = pool
         if switch not in SWITCH_LOWERINGS:
             raise LoweringError(
                 f"switch must be one of {', '.join(map(repr, SWITCH_LOWERINGS))}, got {switch!r}", where="cuda_graph"
@@ -456,20 +469,22 @@ class CudaGraphModule(torch.nn.Module):
         return self.fallback_reason is None
 
     def _capture(self, inputs: list[Any], if_else: str) -> None:
-        from branchyard.lowering.cuda_graph.conditional_nodes import ConditionalBuilder, count_graph_nodes
+        from branchyard.lowering.cuda_graph.conditional_nodes import MAX_NESTING, ConditionalBuilder, count_graph_nodes
+        from branchyard.lowering.cuda_graph.guarded_capture import dedicated_streams, guarded_capture
 
         ctx, device = self.ctx, self.ctx.device
         self._static_inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        streams = dedicated_streams(device, 1 + MAX_NESTING)
         # WARMUP: every body and branch once, on a side stream as torch recommends before capture.
         ctx.phase = Phase.WARMUP
-        side = torch.cuda.Stream(device)
+        side = streams[1]
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _graph_timing():
             ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
 
-        builder = ConditionalBuilder(device)
+        builder = ConditionalBuilder(device, side_streams=streams[1:])
         ctx.builder = builder
         ctx.if_else_one_node = {"auto": builder.if_else_in_one_node, "one_node": True, "two_nodes": False}[if_else]
         try:
@@ -479,10 +494,16 @@ class CudaGraphModule(torch.nn.Module):
             graph, keep = torch.cuda.CUDAGraph(), False
         ctx.phase = Phase.CAPTURE
         ctx.keepalive = []
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
-            if ctx.max_iterations is not None:
-                ctx.exhausted = torch.zeros((), dtype=torch.bool, device=device)
-            outputs = ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
+        pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
+        try:
+            with guarded_capture(graph, pool=pool, device=device):
+                if ctx.max_iterations is not None:
+                    ctx.exhausted = torch.zeros((), dtype=torch.bool, device=device)
+                outputs = ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
+        except BaseException:
+            ctx.keepalive = []
+            ctx.builder = None
+            raise
         if keep:
             from cuda.bindings import driver
 

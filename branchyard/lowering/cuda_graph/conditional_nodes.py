@@ -49,7 +49,11 @@ from branchyard.errors import LoweringError
 if TYPE_CHECKING:  # pragma: no cover
     from branchyard.lowering.cuda_graph.patterns import Comparison
 
+#: Conditional nodes nest at most this deep (one dedicated side stream per level).
+MAX_NESTING = 16
+
 __all__ = [
+    "MAX_NESTING",
     "CondKind",
     "SET_KERNEL_SOURCE",
     "compile_set_kernels",
@@ -298,7 +302,7 @@ class ConditionalBuilder:
     node's body graphs (for :func:`count_graph_nodes`).
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, side_streams: Sequence[torch.cuda.Stream] | None = None):
         from cuda.bindings import driver
 
         self._driver = driver
@@ -314,8 +318,13 @@ class ConditionalBuilder:
             for name in SET_KERNEL_NAMES
         }
         self.driver_version: int = _check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
-        # One side stream per nesting depth, made now: creating streams during a capture is unsafe.
-        self._streams: list[torch.cuda.Stream] = [torch.cuda.Stream(device) for _ in range(8)]
+        # One side stream per nesting depth, made now (creating streams during a capture is unsafe),
+        # and never from torch's stream pool, which hands the capture stream out again (guarded_capture).
+        if side_streams is None:
+            from branchyard.lowering.cuda_graph.guarded_capture import dedicated_streams
+
+            side_streams = dedicated_streams(device, 1 + MAX_NESTING)[1:]
+        self._streams: list[torch.cuda.Stream] = list(side_streams)
         self._depth = 0
         self.bodies_of: dict[int, list[Any]] = {}
         self.nodes_added: dict[str, int] = {k.name: 0 for k in CondKind}
@@ -502,7 +511,11 @@ class ConditionalBuilder:
         """Torch ops issued inside the ``with`` are captured into ``body``."""
         d = self._driver
         if len(self._streams) <= self._depth:
-            self._streams.append(torch.cuda.Stream(self.device))
+            raise LoweringError(
+                f"control flow nested deeper than {len(self._streams)} levels",
+                where="conditional node body",
+                hint="flatten nested conds with branchyard.passes.cond_to_switch",
+            )
         side = self._streams[self._depth]
         stream = d.CUstream(side.cuda_stream)
         mode = d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
@@ -514,10 +527,14 @@ class ConditionalBuilder:
         try:
             with torch.cuda.stream(side):
                 yield
-        finally:
+        except BaseException:
             self._depth -= 1
-            # End the capture even when the body failed, so the stream is usable again.
-            _check(d.cuStreamEndCapture(stream), "cuStreamEndCapture (body graph)")
+            # End the body's capture so the stream is usable again, but let the body's own error
+            # propagate (an invalidated capture makes this end fail too; guarded_capture cleans up).
+            d.cuStreamEndCapture(stream)
+            raise
+        self._depth -= 1
+        _check(d.cuStreamEndCapture(stream), "cuStreamEndCapture (body graph)")
 
     def keep(self, value: Any) -> None:
         """Keep ``value`` (a tensor made inside a body) alive as long as the builder."""

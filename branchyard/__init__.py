@@ -4,10 +4,22 @@
 * :mod:`branchyard.shapes` -- ``ShapeVar`` / ``dynamic_spec`` -> unbacked symbolic sizes
 * :mod:`branchyard.lowering` -- graph -> CUDA graphs with conditional nodes, fused NVGEMM kernels
 * :mod:`branchyard.testing` -- helpers for testing your own graph transforms
+* :func:`branchyard.compile` -- export, passes and CUDA graphs as one step (:mod:`branchyard.compiler`)
 """
 
 __version__ = "0.1.0"
 
+from typing import Any
+
 from branchyard.serialization import load, save
 
-__all__ = ["__version__", "load", "save"]
+__all__ = ["__version__", "load", "save", "compile", "CompiledProgram", "CompileReport"]
+
+
+def __getattr__(name: str) -> Any:
+    # branchyard.compile pulls in every floor (shapes, passes, lowering): import it on first use.
+    if name in ("compile", "CompiledProgram", "CompileReport"):
+        from branchyard import compiler
+
+        return getattr(compiler, name)
+    raise AttributeError(f"module 'branchyard' has no attribute {name!r}")

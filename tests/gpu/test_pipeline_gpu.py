@@ -1,0 +1,182 @@
+"""GPU tests of branchyard.compile and of captures that fail half-way.
+
+A decode loop (while_loop > nested conds / switch > fused GEMMs) becomes one
+CUDA graph per input shape and replays equal to eager; a capture that fails at
+any point leaves the process able to run eager code and capture again.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._higher_order_ops.while_loop import while_loop
+
+import branchyard
+import branchyard.lowering
+from branchyard._compat import HAS_SWITCH
+from branchyard.errors import SpecViolationError
+from branchyard.examples.decode_loop import DecodeLoop
+from branchyard.lowering.cuda_graph import CudaGraphFallbackWarning, cuda_graph
+from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter, Phase
+from branchyard.shapes import ShapeVar, dynamic_spec
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _compile(model, args, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CudaGraphFallbackWarning)  # a fallback fails the test
+        warnings.simplefilter("ignore", UserWarning)
+        return branchyard.compile(model, args, **options)
+
+
+def _close(got, want, dtype):
+    assert int(got[0]) == int(want[0])
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want[1], **tol)
+
+
+@pytest.mark.parametrize("passes", [(), ("cond_to_switch",), ("cond_to_switch", "nvgemm"), ("nvgemm",)])
+def test_decode_loop_is_one_graph_equal_to_eager(passes):
+    torch.manual_seed(0)
+    model = DecodeLoop(dim=64, hidden=128, num_experts=4).to(DEV).eval()
+    x = torch.randn(8, 64, device=DEV)
+    fast = _compile(model, (x, torch.tensor(5, device=DEV)), passes=passes)
+    (capture,) = fast.report.captures
+    assert capture.lowered, capture.reason
+    assert capture.conditional_nodes["WHILE"] == 1
+    if "cond_to_switch" in passes and HAS_SWITCH:
+        assert capture.conditional_nodes["SWITCH"] == 1
+    else:
+        assert capture.conditional_nodes.get("SWITCH", 0) == 0
+    for trips in (0, 1, 5, 40):
+        t = torch.tensor(trips, device=DEV)
+        _close(fast(x, t), model(x, t), torch.float32)
+    assert fast.report.cache_hits == 4
+
+
+def test_fused_gemms_inside_switch_inside_while_capture_and_replay():
+    torch.manual_seed(1)
+    model = DecodeLoop(dim=128, hidden=256, num_experts=4).to(DEV, torch.bfloat16).eval()
+    x = torch.randn(16, 128, device=DEV, dtype=torch.bfloat16)
+    fast = _compile(model, (x, torch.tensor(3, device=DEV)))
+    assert len(fast.report.fused_chains) == 8, fast.report
+    assert fast.report.captures[0].lowered, fast.report
+    for trips in (0, 1, 5, 40):
+        t = torch.tensor(trips, device=DEV)
+        _close(fast(x, t), model(x, t), torch.bfloat16)
+
+
+def test_dynamic_batch_one_capture_per_shape_in_one_pool():
+    torch.manual_seed(2)
+    model = DecodeLoop(dim=32, hidden=64, num_experts=3).to(DEV).eval()
+    batch = ShapeVar("batch", min=1, max=32)
+
+    @dynamic_spec({"x": (batch, 32)})
+    def decode(x, steps):
+        return model(x, steps)
+
+    x = torch.randn(4, 32, device=DEV)
+    fast = _compile(decode, (x, torch.tensor(2, device=DEV)), capture_sizes=[1, 2, 8], max_captures=4)
+    assert len(fast.captures) == 4 and all(c.lowered for c in fast.report.captures)
+    # replays of different shapes interleaved: the shared pool must not mix them up
+    inputs = {b: torch.randn(b, 32, device=DEV) for b in (1, 2, 4, 8)}
+    for _ in range(3):
+        for b, xb in inputs.items():
+            t = torch.tensor(b + 1, device=DEV)
+            _close(fast(xb, t), model(xb, t), torch.float32)
+    assert len(fast.report.captures) == 4 and fast.report.cache_hits == 12
+    fast(torch.randn(3, 32, device=DEV), torch.tensor(1, device=DEV))  # a fifth shape evicts one
+    assert len(fast.captures) == 4 and fast.report.cache_evictions == 1
+    with pytest.raises(SpecViolationError, match="ShapeVar 'batch'"):
+        fast(torch.randn(33, 32, device=DEV), torch.tensor(1, device=DEV))
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="torch.compile of the backend exports; switch needs torch >= 2.14")
+def test_torch_compile_backend_named_branchyard():
+    torch.manual_seed(3)
+    model = DecodeLoop(dim=32, hidden=64, num_experts=3).to(DEV).eval()
+    compiled = torch.compile(model, backend="branchyard", fullgraph=True)
+    x = torch.randn(4, 32, device=DEV)
+    for trips in (0, 3):
+        t = torch.tensor(trips, device=DEV)
+        _close(compiled(x, t), model(x, t), torch.float32)
+
+
+# --------------------------------------------------------------------------- failures half-way
+class CondInWhile(torch.nn.Module):
+    def forward(self, x, n):
+        def body_fn(i, y):
+            return i + 1, torch.cond(y.sum() > 0, lambda t: t * 0.5 - 3.0, lambda t: t * -1.5 + 1.0, (y,))
+
+        return while_loop(lambda i, y: i < n, body_fn, (torch.zeros((), dtype=torch.int64, device=x.device), x))
+
+
+def _failing_inside_bodies(monkeypatch, how):
+    """Make the first op captured inside a conditional-node body fail, ``how`` = raise / sync / alloc."""
+    real = ControlFlowInterpreter.call_function
+
+    def call_function(self, target, args, kwargs):
+        if self.ctx.phase is Phase.CAPTURE and self.depth >= 2:
+            if how == "raise":
+                raise RuntimeError("injected failure inside a body capture")
+            if how == "sync":
+                torch.cuda.synchronize()  # illegal during capture: invalidates it
+            if how == "host_copy":
+                torch.ones(4, device=DEV).cpu()  # a device-to-host copy: invalidates the capture
+        return real(self, target, args, kwargs)
+
+    monkeypatch.setattr(ControlFlowInterpreter, "call_function", call_function)
+
+
+@pytest.mark.parametrize("how", ["raise", "sync", "host_copy"])
+def test_failed_capture_falls_back_and_leaves_the_process_whole(monkeypatch, how):
+    program = torch.export.export(CondInWhile(), (torch.ones(8, device=DEV), torch.tensor(3, device=DEV)))
+    args = (torch.randn(8, device=DEV), torch.tensor(4, device=DEV))
+    with monkeypatch.context() as m:
+        _failing_inside_bodies(m, how)
+        with pytest.warns(CudaGraphFallbackWarning, match="capture failed"):
+            broken = cuda_graph(program, args)
+    assert not broken.lowered
+    # The fallback is right, eager torch code runs, and torch's eager while_loop runs (it aborted the process before).
+    want = program.module()(*args)
+    got = broken(*args)
+    torch.testing.assert_close(got[1], want[1])
+    a = torch.randn(256, 256, device=DEV)
+    torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(), atol=1e-3, rtol=1e-3)
+    for _ in range(3):
+        CondInWhile()(*args)
+    assert not torch.cuda.is_current_stream_capturing()
+    # A new capture in the same process works and replays right.
+    fresh = cuda_graph(program, args)
+    assert fresh.lowered, fresh.fallback_reason
+    for n in (0, 1, 7):
+        call = (args[0], torch.tensor(n, device=DEV))
+        torch.testing.assert_close(fresh(*call)[1], program.module()(*call)[1])
+    # and torch's own capture still works
+    g = torch.cuda.CUDAGraph()
+    static = torch.zeros(4, device=DEV)
+    with torch.cuda.graph(g):
+        out = static * 2 + 1
+    static.fill_(3.0)
+    g.replay()
+    assert out.tolist() == [7.0] * 4
+
+
+def test_many_captures_in_one_process_do_not_collide_on_streams():
+    # torch's stream pool has 32 streams per priority; enough captures wrap around it.
+    program = torch.export.export(CondInWhile(), (torch.ones(8, device=DEV), torch.tensor(3, device=DEV)))
+    args = (torch.randn(8, device=DEV), torch.tensor(4, device=DEV))
+    want = program.module()(*args)[1]
+    for _ in range(12):
+        m = cuda_graph(program, args)
+        assert m.lowered, m.fallback_reason
+        torch.testing.assert_close(m(*args)[1], want)
+        # torch code that takes streams from the pool in between
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            torch.ones(4, device=DEV).sum()
+        torch.cuda.current_stream().wait_stream(s)

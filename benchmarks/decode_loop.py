@@ -1,0 +1,222 @@
+"""Benchmark: a whole decode loop (expert dispatch in a while_loop) through ``branchyard.compile``.
+
+The model is :class:`branchyard.examples.decode_loop.DecodeLoop` (bf16): a
+``while_loop`` over steps whose body routes the batch through one of 8 expert
+MLPs via an ``idx == k`` chain of 7 nested ``torch.cond``, then RMS-normalises.
+Columns, per (dim, hidden, batch), microseconds per decode step over ``--steps``
+steps (CUDA events around whole calls, median of ``--reps`` calls):
+
+* ``eager``              the nn.Module
+* ``compile``            ``torch.compile`` (default mode)
+* ``reduce_overhead``    ``torch.compile(mode="reduce-overhead")`` (a failure is a row)
+* ``torch_cond_nodes``   torch's own conditional-node capture (torch >= 2.14's private
+                         ``ControlFlowOpWarmupDispatchMode`` / ``CUDAGraphCaptureControlFlowOpDispatchMode``
+                         around ``torch.cuda.graph``), of the exported nested-cond program
+* ``by_graph``           ``branchyard.compile(..., passes=())``: CUDA graph only
+* ``by_switch``          ``passes=("cond_to_switch",)`` (torch >= 2.14)
+* ``by_full``            ``passes=("cond_to_switch", "nvgemm")``: the full pipeline
+* ``floor``              weight bytes read per step / measured copy bandwidth, plus the per-step
+                         cost of our WHILE + SWITCH graph with empty branches
+
+Also the first-call cost of each branchyard column (export, passes, tuning,
+capture) and whether outputs agree with eager for 0/1/5/40 trips.
+
+    python benchmarks/decode_loop.py --shapes 1024x4096 --batches 16 --json rows.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+import branchyard
+import branchyard.lowering
+from branchyard._compat import HAS_SWITCH
+from branchyard.examples.decode_loop import DecodeLoop
+
+DEV = "cuda"
+
+
+def time_call_ms(fn, reps: int, warmup: int = 2) -> float:
+    """Median of ``reps`` CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second (GB/s)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    ms = time_call_ms(lambda: b.copy_(a), reps=10)
+    return 2 * a.numel() / (ms * 1e-3) / 1e9
+
+
+def agree(out, ref, dtype) -> tuple[bool, float]:
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+    steps_ok = int(out[0]) == int(ref[0])
+    diff = (out[1].float() - ref[1].float()).abs().max().item() if out[1].numel() else 0.0
+    return steps_ok and diff <= tol * max(1.0, ref[1].float().abs().max().item()), diff
+
+
+def torch_cond_nodes(ep, args):
+    """torch's own conditional-node capture of the exported program (torch >= 2.14)."""
+    from torch._higher_order_ops.cudagraph_conditional_nodes import (
+        ControlFlowOpWarmupDispatchMode,
+        CUDAGraphCaptureControlFlowOpDispatchMode,
+    )
+
+    f = ep.module()
+    static = [a.clone() for a in args]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), ControlFlowOpWarmupDispatchMode():
+        f(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), CUDAGraphCaptureControlFlowOpDispatchMode():
+        out = f(*static)
+
+    def run(*call_args):
+        for s, a in zip(static, call_args):
+            s.copy_(a)
+        graph.replay()
+        return tuple(t.clone() for t in out)
+
+    return run
+
+
+def empty_switch_loop_us(num_experts: int, steps: int) -> float:
+    """Per-step cost of our lowering of while_loop { switch(i % n, [identity] * n) }."""
+    from branchyard.lowering.cuda_graph.fx_builders import switch_module, trace, while_loop_module
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pick = switch_module([lambda y: y + 0 for _ in range(num_experts)], num_operands=1)
+
+        def forward(self, i, y, n):
+            return i + 1, self.pick(i % num_experts, y)[0]
+
+    program = while_loop_module(lambda i, y, n: i < n, trace(Body()), num_carried=2, num_additional=1)
+    args = (torch.zeros((), dtype=torch.int64, device=DEV), torch.zeros(16, device=DEV), torch.tensor(steps, device=DEV))
+    lowered = branchyard.lowering.cuda_graph(program, args)
+    return time_call_ms(lambda: lowered(*args), reps=20) * 1e3 / steps
+
+
+def column(name, build, model, x, steps_t, steps, reps, dtype, row):
+    """Build one column (timed as first-call cost), check it, time it; record into ``row``."""
+    try:
+        start = time.perf_counter()
+        fn = build()
+        out = fn(x, steps_t)
+        torch.cuda.synchronize()
+        row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
+        checks = {}
+        for trips in (0, 1, 5, 40):
+            t = torch.tensor(trips, device=DEV)
+            ok, diff = agree(fn(x, t), model(x, t), dtype)
+            checks[trips] = ok if ok else f"max diff {diff:.3g}"
+        row[f"{name}_agrees"] = checks
+        row[f"{name}_us_per_step"] = round(time_call_ms(lambda: fn(x, steps_t), reps) * 1e3 / steps, 2)
+        if hasattr(fn, "report"):
+            row[f"{name}_report"] = str(fn.report)
+    except Exception as exc:  # a failure is a row
+        row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        traceback.print_exc(file=sys.stderr)
+    print(json.dumps({k: v for k, v in row.items() if k.startswith(name)}), file=sys.stderr, flush=True)
+
+
+def bench(dim: int, hidden: int, batch: int, args) -> dict:
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    model = DecodeLoop(dim, hidden, num_experts=8).to(DEV, dtype).eval()
+    x = torch.randn(batch, dim, device=DEV, dtype=dtype)
+    steps_t = torch.tensor(args.steps, device=DEV)
+    row: dict = {"dim": dim, "hidden": hidden, "batch": batch, "steps": args.steps}
+    weights = sum(p.numel() * p.element_size() for e in model.experts[:1] for p in e.parameters())
+    weights += model.router.numel() * model.router.element_size()
+    row["weight_bytes_per_step"] = weights
+    row["hbm_floor_us"] = round(weights / (args.copy_gbs * 1e9 / 2) * 1e6, 2)  # one read of the weights
+    row["empty_loop_us"] = round(args.empty_us, 2)
+    row["floor_us"] = round(row["hbm_floor_us"] + args.empty_us, 2)
+    cols = set(args.columns)
+    with torch.no_grad():
+        ep = None
+        if "eager" in cols:
+            column("eager", lambda: model, model, x, steps_t, args.steps, args.reps, dtype, row)
+        if "compile" in cols:
+            column("compile", lambda: torch.compile(model), model, x, steps_t, args.steps, args.reps, dtype, row)
+        if "reduce_overhead" in cols:
+            column(
+                "reduce_overhead", lambda: torch.compile(model, mode="reduce-overhead"), model, x, steps_t,
+                args.steps, args.reps, dtype, row,
+            )
+        if "torch_cond_nodes" in cols:
+            def build_torch():
+                return torch_cond_nodes(torch.export.export(model, (x, steps_t)), (x, steps_t))
+
+            column("torch_cond_nodes", build_torch, model, x, steps_t, args.steps, args.reps, dtype, row)
+        variants = {"by_graph": (), "by_switch": ("cond_to_switch",), "by_full": ("cond_to_switch", "nvgemm"),
+                    "by_nvgemm": ("nvgemm",)}
+        for name, passes in variants.items():
+            if name in cols:
+                column(
+                    name, lambda passes=passes: branchyard.compile(model, (x, steps_t), passes=passes), model, x,
+                    steps_t, args.steps, args.reps, dtype, row,
+                )
+        del ep
+    torch._dynamo.reset()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["1024x4096", "4096x14336"], help="DIMxHIDDEN")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument(
+        "--columns", nargs="+",
+        default=["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full"],
+    )
+    p.add_argument("--json", help="append one JSON row per (shape, batch) to this file")
+    args = p.parse_args()
+    warnings.simplefilter("ignore")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
+          f"switch {'yes' if HAS_SWITCH else 'no'}", flush=True)
+    args.copy_gbs = copy_bandwidth_gbs()
+    args.empty_us = empty_switch_loop_us(8, 1000)
+    print(f"# copy bandwidth {args.copy_gbs:.0f} GB/s (read + write); empty WHILE+SWITCH step {args.empty_us:.2f} us",
+          flush=True)
+    for shape in args.shapes:
+        dim, hidden = (int(v) for v in shape.split("x"))
+        for batch in args.batches:
+            row = bench(dim, hidden, batch, args)
+            row.update(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbs=round(args.copy_gbs))
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -153,17 +153,18 @@ def cublas_variants(problem, a, b_kn, ops, ref, row) -> dict:
     bias+gelu_tanh, ``addmm``'s C input for a [scale +] bias / residual
     prefix, the rest of the chain as ATen ops (the op's ``cublas*``
     candidates). The ``cublas`` column is the fastest of them."""
-    from branchyard.lowering.nvgemm import autotune as at
+    from branchyard.lowering.nvgemm import candidates as nv_candidates
+    from branchyard.lowering.nvgemm import tuner as nv_tuner
 
     found = {}
     out = torch.empty(problem.m, problem.n, dtype=problem.spec.out_dtype, device="cuda")
-    for cand in at.default_candidates(problem, inductor=False):
+    for cand in nv_candidates.default_candidates(problem, inductor=False):
         if not cand.name.startswith("cublas") or cand.applies(problem) is not None:
             continue
         try:
             impl = cand.build(problem)
             got = impl(a, b_kn, ops, out)
-            bad = at.numerics_error(out if got is None else got, ref, problem.spec.out_dtype)
+            bad = nv_tuner.numerics_error(out if got is None else got, ref, problem.spec.out_dtype)
         except Exception as exc:  # report, keep benchmarking
             row["notes"].append(f"{cand.name} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
@@ -209,12 +210,13 @@ def configure_inductor(args) -> dict:
 def _prebuild_worker(jobs: list) -> list:
     """Compile (spec, dtype, config, layout, operand dtypes) jobs into the disk kernel cache."""
     from branchyard.lowering.nvgemm import cutedsl_gemm as cg
+    from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
 
     done = []
     for spec_text, dtype, config, b_layout, out_dtype, operand_dtypes in jobs:
         t0 = time.perf_counter()
         try:
-            cg.compile_fused_gemm(spec_text, dtype, config, b_layout=b_layout, out_dtype=out_dtype,
+            cg.compile_fused_gemm(EpilogueSpec.parse(spec_text), dtype, config, b_layout=b_layout, out_dtype=out_dtype,
                                   operand_dtypes=operand_dtypes)
             done.append((spec_text, config.name, time.perf_counter() - t0, None))
         except Exception as exc:  # the timed row reports it again, with its reason
@@ -225,7 +227,8 @@ def _prebuild_worker(jobs: list) -> list:
 def prebuild(plan: list[tuple], dtype, args) -> None:
     """Compile every CuTeDSL kernel the rows will time, in parallel processes,
     into the on-disk kernel cache (the rows then load them)."""
-    from branchyard.lowering.nvgemm import autotune as at
+    from branchyard.lowering.nvgemm import candidates as nv_candidates
+    from branchyard.lowering.nvgemm import problem as nv_problem
 
     jobs = {}
     for m, n, k, chain in plan:
@@ -233,8 +236,8 @@ def prebuild(plan: list[tuple], dtype, args) -> None:
         w = torch.empty(n, k, dtype=dtype, device="cuda")
         _, _, ops, spec = make_inputs(1, n, k, CHAINS[chain], dtype)
         ops = [t if t.dim() == 1 else torch.empty(m, n, dtype=dtype, device="cuda") for t in ops]
-        problem = at.Problem.of(a, w.t(), ops, spec)
-        for cand in at._cutedsl_candidates(problem)[: args.max_configs]:
+        problem = nv_problem.Problem.of(a, w.t(), ops, spec)
+        for cand in nv_candidates._cutedsl_candidates(problem)[: args.max_configs]:
             config = getattr(cand.build, "keywords", {}).get("config")
             if config is None:  # not a plain config candidate: its row compiles it
                 continue
@@ -282,11 +285,11 @@ class ColumnTimer:
     """
 
     def __init__(self, args, row, floor_us: float = 0.0) -> None:
-        from branchyard.lowering.nvgemm import autotune as at
+        from branchyard.lowering.nvgemm import timing as nv_timing
 
         self.args, self.row, self.floor_us = args, row, floor_us
-        self._timer = at.cuda_event_timer
-        self._round_robin = at.time_round_robin
+        self._timer = nv_timing.cuda_event_timer
+        self._round_robin = nv_timing.time_round_robin
         self.replays: dict[str, Callable] = {}
         self._graphs: list = []
 
@@ -341,13 +344,16 @@ def heat_gpu(seconds: float) -> None:
 
 
 def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
-    from branchyard.lowering.nvgemm import autotune as at
+    from branchyard.lowering.nvgemm import candidates as nv_candidates
+    from branchyard.lowering.nvgemm import problem as nv_problem
+    from branchyard.lowering.nvgemm import tuner as nv_tuner
+    from branchyard.lowering.nvgemm import winners as nv_winners
     from branchyard.lowering.nvgemm import fused_gemm_epilogue
     from branchyard.lowering.nvgemm.epilogue import reference_fused_gemm, unfused_aten_epilogue
 
     a, w, ops, spec = make_inputs(m, n, k, CHAINS[chain], dtype)
     b_kn = w.t()
-    problem = at.Problem.of(a, b_kn, ops, spec)
+    problem = nv_problem.Problem.of(a, b_kn, ops, spec)
     ref = reference_fused_gemm(a, w, ops, spec)
     row: dict = {"m": m, "n": n, "k": k, "chain": chain, "dtype": str(dtype).removeprefix("torch."), "notes": []}
     floor_us = max(2.0 * m * n * k / _PEAK_FLOPS, 2.0 * n * k / _PEAK_BYTES_S) * 1e6
@@ -363,7 +369,7 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
     if args.inductor_mode != "off":
         t0 = time.perf_counter()
         try:
-            impl = at._inductor_build(problem, args.inductor_mode)
+            impl = nv_candidates._inductor_build(problem, args.inductor_mode)
             try:
                 got = impl(a, b_kn, ops, None)  # the compile happens on this first call
             except Exception as exc:  # Dynamo's limits are process-wide: start it afresh once
@@ -371,12 +377,12 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
                     raise
                 row["notes"].append(f"inductor: {type(exc).__name__} on the first call; Dynamo reset, compiled again")
                 torch._dynamo.reset()
-                at._INDUCTOR_FNS.clear()
-                impl = at._inductor_build(problem, args.inductor_mode)
+                nv_candidates._INDUCTOR_FNS.clear()
+                impl = nv_candidates._inductor_build(problem, args.inductor_mode)
                 got = impl(a, b_kn, ops, None)
             torch.cuda.synchronize()
             row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
-            bad = at.numerics_error(got, ref, dtype)
+            bad = nv_tuner.numerics_error(got, ref, dtype)
             if bad:
                 row["notes"].append(f"inductor wrong: {bad}")
             else:
@@ -386,7 +392,7 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
             row["notes"].append(f"inductor failed: {type(exc).__name__}: {str(exc)[:200]}")
 
     out = torch.empty(m, n, dtype=spec.out_dtype, device="cuda")
-    for cand in at._cutedsl_candidates(problem)[: args.max_configs]:
+    for cand in nv_candidates._cutedsl_candidates(problem)[: args.max_configs]:
         name = cand.name.removeprefix("cutedsl:")
         try:
             impl = cand.build(problem)
@@ -396,7 +402,7 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
         except Exception as exc:
             row["notes"].append(f"{name} failed: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        bad = at.numerics_error(got, ref, dtype)
+        bad = nv_tuner.numerics_error(got, ref, dtype)
         if bad:
             row["notes"].append(f"{name} wrong: {bad}")
             continue
@@ -404,15 +410,15 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
 
     # The op end to end with its own autotuner (a fresh database: it really tunes).
     def candidates(p):
-        cands = at.default_candidates(p, inductor="inductor" in cols.replays)
+        cands = nv_candidates.default_candidates(p, inductor="inductor" in cols.replays)
         cut = [c for c in cands if c.name.startswith("cutedsl:")][: args.max_configs]
         rest = [c for c in cands if not c.name.startswith("cutedsl:")]
         if not args.cutlass_plain:
             rest = [c for c in rest if not c.name.startswith("cutlass_plain")]
         return cut + rest
 
-    tuner = at.Autotuner(candidates, db=at.WinnerDB(db_dir), progress=not args.no_progress)
-    at.set_autotuner(tuner)
+    tuner = nv_tuner.Autotuner(candidates, db=nv_winners.WinnerDB(db_dir), progress=not args.no_progress)
+    nv_tuner.set_autotuner(tuner)
     text = str(spec)
     row["op"], row["picked"] = None, None
     try:
@@ -439,7 +445,7 @@ def run_row(m, n, k, chain, dtype, args, db_dir) -> dict:
             # As an eager caller sees it: the op's Python dispatch is not hidden by a graph.
             row["op_eager_host"] = cols.eager(lambda: fused_gemm_epilogue(a, w, ops, text), device_only=False)
     finally:
-        at.set_autotuner(None)
+        nv_tuner.set_autotuner(None)
 
     def best(prefix):
         got = {name.split("|", 1)[1]: t for name, t in times.items() if name.startswith(prefix + "|")}
@@ -471,14 +477,14 @@ def paired_checks(replays: dict[str, Callable], times: dict[str, float], pairs: 
       largest op/column ratio (the op against the truly fastest);
     * ``control``: the best column against itself, the method's noise floor.
     """
-    from branchyard.lowering.nvgemm import autotune as at
+    from branchyard.lowering.nvgemm import timing as nv_timing
 
     def contenders(names):
         got = {n: times[n] for n in names if n in times}
         return [n for n, t in got.items() if t <= PAIRED_MARGIN * min(got.values())] if got else []
 
     def ratio(first, second):
-        med, half_iqr = at.paired_ratio(replays[first], replays[second], pairs=pairs)
+        med, half_iqr = nv_timing.paired_ratio(replays[first], replays[second], pairs=pairs)
         return {"ratio": med, "half_iqr": half_iqr, "first": first, "second": second}
 
     kind = lambda name: name.split("|", 1)[0]

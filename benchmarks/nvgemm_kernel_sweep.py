@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from branchyard.lowering.nvgemm import cutedsl_gemm as cg
+from branchyard.lowering.nvgemm import kernel_config
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm, unfused_aten_epilogue
 
 CHAINS = {
@@ -141,7 +142,7 @@ def main() -> int:
             configs = (
                 [config_from_name(c) for c in args.configs.split(",")]
                 if args.configs
-                else cg.candidate_configs(m, n, k, dtype)
+                else kernel_config.candidate_configs(m, n, k, dtype)
             )
             runnable, checked = {}, {}
             for config in configs:

@@ -15,6 +15,7 @@ import torch
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import cutedsl_gemm as cg
+from branchyard.lowering.nvgemm import kernel_config
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 
 _OK, _WHY = cg.cutedsl_available() if torch.cuda.is_available() else (False, "no CUDA device")
@@ -107,7 +108,7 @@ def test_every_candidate_config_is_correct(m: int) -> None:
     a, b, gen = _inputs(m + 3, n, k, torch.bfloat16, "nk", seed=m)  # ragged M on purpose
     ops = _operands(spec, m + 3, n, torch.bfloat16, gen)
     ref = reference_fused_gemm(a, b, ops, spec)
-    for config in cg.candidate_configs(m, n, k, torch.bfloat16):
+    for config in kernel_config.candidate_configs(m, n, k, torch.bfloat16):
         out = _run(spec, a, b, ops, config)
         _check(out, ref, torch.bfloat16)
 
@@ -163,10 +164,10 @@ def test_gelu_variants_are_not_swapped(config: cg.GemmConfig) -> None:
 
 
 def test_ineligible_shapes_are_reported() -> None:
-    assert cg.check_eligible(64, 4096, 100, "bfloat16") == (
+    assert kernel_config.check_eligible(64, 4096, 100, "bfloat16") == (
         "K=100 is not a multiple of 8 (TMA needs 16-byte rows of 16-bit elements)"
     )
-    assert "not supported" in cg.check_eligible(64, 4096, 4096, torch.float32)
+    assert "not supported" in kernel_config.check_eligible(64, 4096, 4096, torch.float32)
 
 
 def test_wrong_operand_count_raises() -> None:

@@ -27,13 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from branchyard.lowering.nvgemm import NvGemmFallbackWarning, fused_gemm_epilogue, nvgemm
-from branchyard.lowering.nvgemm import autotune as at
+from branchyard.lowering.nvgemm import candidates as nv_candidates
+from branchyard.lowering.nvgemm import problem as nv_problem
+from branchyard.lowering.nvgemm import timing as nv_timing
+from branchyard.lowering.nvgemm import tuner as nv_tuner
+from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm import op as op_mod
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 
 CUDA = torch.cuda.is_available()
 if CUDA:
-    from branchyard.lowering.nvgemm.cutedsl_gemm import GemmConfig, cutedsl_available
+    from branchyard.lowering.nvgemm.kernel_config import GemmConfig, cutedsl_available
 
     CUTEDSL_OK, CUTEDSL_WHY = cutedsl_available()
 else:
@@ -60,24 +64,24 @@ CHAINS = [
 SHAPES = [(1, 4096, 512), (333, 1000, 136), (512, 512, 1024)]
 
 
-def _candidates(problem: at.Problem) -> list[at.Candidate]:
+def _candidates(problem: nv_problem.Problem) -> list[nv_candidates.Candidate]:
     """Default candidates, CuTeDSL limited to one config, no Inductor and no
     cutlass-operators GEMM (both compile per shape; each has its own test)."""
-    rest = [c for c in at.default_candidates(problem, inductor=False)
+    rest = [c for c in nv_candidates.default_candidates(problem, inductor=False)
             if not c.name.startswith(("cutedsl:", "cutlass_plain"))]
     if not CUTEDSL_OK:
         return rest
-    ours = at.Candidate(OURS, functools.partial(at._cutedsl_build, config=GemmConfig(128, 128)))
+    ours = nv_candidates.Candidate(OURS, functools.partial(nv_candidates._cutedsl_build, config=GemmConfig(128, 128)))
     return [ours] + rest
 
 
 @pytest.fixture
 def tuner(tmp_path):
-    t = at.Autotuner(_candidates, db=at.WinnerDB(tmp_path), progress=False)
-    at.set_autotuner(t)
+    t = nv_tuner.Autotuner(_candidates, db=nv_winners.WinnerDB(tmp_path), progress=False)
+    nv_tuner.set_autotuner(t)
     op_mod.reset_fallback_warnings()
     yield t
-    at.set_autotuner(None)
+    nv_tuner.set_autotuner(None)
 
 
 def _inputs(text, dtype, m, n, k, layout="nk", seed=0):
@@ -178,13 +182,13 @@ def test_misaligned_pointer_falls_back(tuner):
 @needs_cutedsl
 def test_winner_database_is_reused_by_a_new_process(tmp_path):
     a, b, ops, spec = _inputs("bias@0;gelu_erf", torch.bfloat16, 128, 256, 256)
-    first = at.Autotuner(_candidates, db=at.WinnerDB(tmp_path), progress=False)
+    first = nv_tuner.Autotuner(_candidates, db=nv_winners.WinnerDB(tmp_path), progress=False)
     first.select(a, b.t(), ops, spec)
 
     def no_timing(name, fn):
         raise AssertionError(f"{name} was timed again")
 
-    second = at.Autotuner(_candidates, db=at.WinnerDB(tmp_path), progress=False, timer=no_timing)
+    second = nv_tuner.Autotuner(_candidates, db=nv_winners.WinnerDB(tmp_path), progress=False, timer=no_timing)
     impl = second.select(a, b.t(), ops, spec)
     out = torch.empty(128, 256, dtype=torch.bfloat16, device="cuda")
     got = impl(a, b.t(), ops, out)
@@ -198,10 +202,10 @@ def test_cublaslt_candidate_is_exact_for_its_chains(tmp_path, text):
     """cuBLASLt's GELU epilogue is the tanh form: it must pass the numerics
     check for gelu_tanh (and would fail a swapped gelu_erf at fp32)."""
     a, b, ops, spec = _inputs(text, torch.bfloat16, 256, 512, 256)
-    tuner = at.Autotuner(
-        lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cublaslt:_addmm_activation"],
-        db=at.WinnerDB(tmp_path), progress=False)
-    if "gelu" in text and at._addmm_gelu_form("cuda", torch.bfloat16) != "tanh":
+    tuner = nv_tuner.Autotuner(
+        lambda p: [c for c in nv_candidates.default_candidates(p, inductor=False) if c.name == "cublaslt:_addmm_activation"],
+        db=nv_winners.WinnerDB(tmp_path), progress=False)
+    if "gelu" in text and nv_candidates._addmm_gelu_form("cuda", torch.bfloat16) != "tanh":
         with pytest.raises(Exception, match="erf GELU"):
             tuner.tune(a, b.t(), ops, spec)
         return
@@ -219,23 +223,23 @@ def test_cublaslt_gelu_is_the_tanh_form_not_erf():
     err_tanh = (got.double() - F.gelu(y, approximate="tanh")).abs().max().item()
     err_erf = (got.double() - F.gelu(y)).abs().max().item()
     assert err_tanh < err_erf, (err_tanh, err_erf)
-    assert [at._addmm_gelu_form("cuda", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["tanh"] * 3
+    assert [nv_candidates._addmm_gelu_form("cuda", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["tanh"] * 3
 
 
 def test_addmm_candidate_for_scale_residual(tmp_path):
     a, b, ops, spec = _inputs("scale:0.5;residual@0", torch.float16, 256, 512, 256)
-    tuner = at.Autotuner(
-        lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cublas:addmm"],
-        db=at.WinnerDB(tmp_path), progress=False)
+    tuner = nv_tuner.Autotuner(
+        lambda p: [c for c in nv_candidates.default_candidates(p, inductor=False) if c.name == "cublas:addmm"],
+        db=nv_winners.WinnerDB(tmp_path), progress=False)
     assert tuner.tune(a, b.t(), ops, spec).winner == "cublas:addmm"
 
 
 def test_inductor_candidate_compiles_and_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "default")  # max-autotune takes minutes
     a, b, ops, spec = _inputs("bias@0;gelu_erf;residual@1", torch.bfloat16, 128, 256, 256)
-    tuner = at.Autotuner(
-        lambda p: [c for c in at.default_candidates(p, inductor=True) if c.name == "triton:inductor"],
-        db=at.WinnerDB(tmp_path), progress=False)
+    tuner = nv_tuner.Autotuner(
+        lambda p: [c for c in nv_candidates.default_candidates(p, inductor=True) if c.name == "triton:inductor"],
+        db=nv_winners.WinnerDB(tmp_path), progress=False)
     res = tuner.tune(a, b.t(), ops, spec)
     assert res.winner == "triton:inductor", res.excluded
 
@@ -247,9 +251,9 @@ def test_cutlass_plain_candidate_when_available(tmp_path):
     if not ok:
         pytest.skip(f"cutlass-operators unavailable: {why}")
     a, b, ops, spec = _inputs("bias@0;gelu_erf;residual@1", torch.bfloat16, 256, 512, 256)
-    tuner = at.Autotuner(
-        lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "cutlass_plain+epilogue"],
-        db=at.WinnerDB(tmp_path), progress=False)
+    tuner = nv_tuner.Autotuner(
+        lambda p: [c for c in nv_candidates.default_candidates(p, inductor=False) if c.name == "cutlass_plain+epilogue"],
+        db=nv_winners.WinnerDB(tmp_path), progress=False)
     res = tuner.tune(a, b.t(), ops, spec)
     assert res.winner == "cutlass_plain+epilogue", res.excluded
 
@@ -317,14 +321,14 @@ def test_event_timer_counts_device_time_not_host_time() -> None:
         time.sleep(400e-6)  # Python/dispatch overhead: no GPU work
         x.mul_(1.0)  # one ~5 us kernel
 
-    assert at.cuda_event_timer(host_heavy, reps=10) < 0.1  # ms: the kernel, not the 0.4 ms on the host
+    assert nv_timing.cuda_event_timer(host_heavy, reps=10) < 0.1  # ms: the kernel, not the 0.4 ms on the host
     # What an eager caller waits for: the host's 0.4 ms per call is the time.
-    assert at.cuda_event_timer(host_heavy, reps=10, device_only=False) > 0.3
+    assert nv_timing.cuda_event_timer(host_heavy, reps=10, device_only=False) > 0.3
 
     def device_heavy():
         torch.cuda._sleep(2_000_000)  # ~1 ms of GPU spinning at <= 2 GHz
 
-    assert at.cuda_event_timer(device_heavy, reps=5) > 0.5
+    assert nv_timing.cuda_event_timer(device_heavy, reps=5) > 0.5
 
 
 def test_paired_ratio_measures_device_time_side_by_side() -> None:
@@ -345,9 +349,9 @@ def test_paired_ratio_measures_device_time_side_by_side() -> None:
         time.sleep(300e-6)
         torch.mm(a, a)
 
-    same, spread = at.paired_ratio(once, once, pairs=30)
+    same, spread = nv_timing.paired_ratio(once, once, pairs=30)
     assert abs(same - 1.0) < 0.03 and spread < 0.05, (same, spread)
-    double, _ = at.paired_ratio(twice, once, pairs=30)
+    double, _ = nv_timing.paired_ratio(twice, once, pairs=30)
     assert 1.8 < double < 2.2, double
-    hidden, _ = at.paired_ratio(host_heavy, once, pairs=30)
+    hidden, _ = nv_timing.paired_ratio(host_heavy, once, pairs=30)
     assert abs(hidden - 1.0) < 0.05, hidden

@@ -15,18 +15,18 @@ import pytest
 import torch
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm import autotune as at
+from branchyard.lowering.nvgemm import candidates as cands_mod
 from branchyard.lowering.nvgemm import op as op_mod
-from branchyard.lowering.nvgemm.autotune import (
-    SCHEMA_VERSION,
-    Autotuner,
-    Candidate,
-    Problem,
-    ProgressBar,
-    WinnerDB,
-    m_bucket,
-)
-from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, unfused_aten_epilogue
+from branchyard.lowering.nvgemm import store, timing
+from branchyard.lowering.nvgemm import tuner as tuner_mod
+from branchyard.lowering.nvgemm.candidates import Candidate
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm, unfused_aten_epilogue
+from branchyard.lowering.nvgemm.problem import Problem, m_bucket
+from branchyard.lowering.nvgemm.progress import ProgressBar
+from branchyard.lowering.nvgemm.tuner import Autotuner
+from branchyard.lowering.nvgemm.winners import SCHEMA_VERSION, WinnerDB
+
+DB_FILE = WinnerDB.FILE
 
 SPEC = EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")
 ENV = {"gpu": "FakeGPU sm90", "driver": "13.0", "cuda": "13.0", "torch": "2.14", "cutedsl": "4.6"}
@@ -82,7 +82,7 @@ def test_fastest_candidate_wins_and_is_recorded(tmp_path):
     a, b, ops = _inputs()
     res = tuner.tune(a, b, ops, SPEC)
     assert res.winner == "ours" and res.timings == {"ours": 1.0, "cublas": 1.5, "aten": 3.0}
-    data = json.loads((tmp_path / "winners.json").read_text())
+    data = json.loads((tmp_path / DB_FILE).read_text())
     assert data["schema"] == SCHEMA_VERSION
     (entry,) = data["entries"].values()
     assert entry["winner"] == "ours" and len(entry["checksum"]) == 16
@@ -128,7 +128,7 @@ def test_select_caches_per_bucket_in_process(tmp_path):
     assert rec.timed == ["ours", "aten"]
     tuner.select(*_inputs(m=129), SPEC)  # next bucket: tuned again
     assert rec.timed == ["ours", "aten", "ours", "aten"]
-    assert len(json.loads((tmp_path / "winners.json").read_text())["entries"]) == 2
+    assert len(json.loads((tmp_path / DB_FILE).read_text())["entries"]) == 2
 
 
 def test_key_names_everything_the_winner_depends_on():
@@ -147,25 +147,25 @@ def test_key_names_everything_the_winner_depends_on():
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda p: p.write_text("{not json"), "is corrupt"),
-        (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "entries": {}})), "has schema"),
-        (lambda p: p.write_text(p.read_text().replace('"winner": "ours"', '"winner": "aten"')), "fails its checksum"),
+        (lambda p: p.write_text("{not json"), "is damaged (not JSON"),
+        (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION + 1, "entries": {}})), "is not a schema-"),
+        (lambda p: p.write_text(p.read_text().replace('"winner": "ours"', '"winner": "aten"')), "entry for"),
         (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION,
                                             "entries": {k: ["junk"] for k in json.loads(p.read_text())["entries"]}})),
-         "fails its checksum"),
+         "entry for"),
     ],
     ids=["corrupt-file", "other-schema", "tampered-entry", "entry-not-an-object"],
 )
 def test_damaged_database_is_detected_and_rebuilt(tmp_path, caplog, damage, message):
     rec = Recorder({"ours": 1.0, "aten": 2.0})
     _tuner(rec, tmp_path).select(*_inputs(), SPEC)
-    damage(tmp_path / "winners.json")
+    damage(tmp_path / DB_FILE)
     rec2 = Recorder({"ours": 1.0, "aten": 2.0})
     with caplog.at_level(logging.WARNING, logger="branchyard"):
         _tuner(rec2, tmp_path).select(*_inputs(), SPEC)
     assert message in caplog.text
     assert rec2.timed == ["ours", "aten"], "a damaged entry is retuned, not trusted"
-    data = json.loads((tmp_path / "winners.json").read_text())
+    data = json.loads((tmp_path / DB_FILE).read_text())
     assert data["schema"] == SCHEMA_VERSION
     assert [e["winner"] for e in data["entries"].values()] == ["ours"]
     assert WinnerDB(tmp_path).get(next(iter(data["entries"]))) is not None
@@ -189,13 +189,13 @@ def test_concurrent_writers_keep_every_entry_and_leave_no_temp_files(tmp_path):
         t.join()
     assert sorted(db.entries()) == sorted(f"k{i}" for i in range(16))
     assert all(db.get(f"k{i}")["winner"] == f"w{i}" for i in range(16))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".winners.lock", "winners.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([WinnerDB.LOCK, DB_FILE])
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(tmp_path))
-    assert at.cache_dir() == tmp_path / "nvgemm"
-    assert WinnerDB().path == tmp_path / "nvgemm" / "winners.json"
+    assert store.cache_dir() == tmp_path / "nvgemm"
+    assert WinnerDB().path == tmp_path / "nvgemm" / DB_FILE
 
 
 def test_progress_bar_reports_each_candidate(tmp_path):
@@ -224,13 +224,13 @@ def test_progress_bar_redraws_in_place_on_a_terminal():
 def test_default_candidates_and_applicability(monkeypatch):
     a, b, ops = _inputs()
     half = Problem.of(a.half(), b.half(), [o.half() for o in ops], EpilogueSpec.parse("w=kn;bias@0;relu;out=float16"))
-    names = [c.name for c in at.default_candidates(half, inductor=True)]
+    names = [c.name for c in cands_mod.default_candidates(half, inductor=True)]
     assert names[-6:] == ["cublaslt:_addmm_activation", "cublas:addmm", "cublaslt:_addmm_activation+aten",
                           "cublas:addmm+aten", "triton:inductor", "aten:unfused"]
-    assert "triton:inductor" not in [c.name for c in at.default_candidates(half, inductor=False)]
+    assert "triton:inductor" not in [c.name for c in cands_mod.default_candidates(half, inductor=False)]
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
-    assert "triton:inductor" not in [c.name for c in at.default_candidates(half)]
-    cublas = next(c for c in at.default_candidates(half) if c.name.startswith("cublaslt"))
+    assert "triton:inductor" not in [c.name for c in cands_mod.default_candidates(half)]
+    cublas = next(c for c in cands_mod.default_candidates(half) if c.name.startswith("cublaslt"))
     assert "CUDA only" in cublas.applies(half)
     cuda_half = Problem(**{**half.__dict__, "device": "cuda:0"})
     assert cublas.applies(cuda_half) is None
@@ -242,24 +242,24 @@ def test_default_candidates_and_applicability(monkeypatch):
 
 def test_aten_candidate_builds_and_passes_numerics(tmp_path):
     a, b, ops = _inputs()
-    tuner = Autotuner(lambda p: [c for c in at.default_candidates(p, inductor=False) if c.name == "aten:unfused"],
+    tuner = Autotuner(lambda p: [c for c in cands_mod.default_candidates(p, inductor=False) if c.name == "aten:unfused"],
                       timer=lambda name, fn: 1.0, db=WinnerDB(tmp_path), env=ENV, progress=False)
     assert tuner.tune(a, b, ops, SPEC).winner == "aten:unfused"
 
 
 def test_numerics_error_reports_shape_dtype_and_worst_element():
     ref = torch.ones(4, 8)
-    assert "shape [4, 7]" in at.numerics_error(torch.ones(4, 7), ref, torch.float32)
-    assert "dtype torch.float16" in at.numerics_error(torch.ones(4, 8, dtype=torch.float16), ref, torch.float32)
+    assert "shape [4, 7]" in tuner_mod.numerics_error(torch.ones(4, 7), ref, torch.float32)
+    assert "dtype torch.float16" in tuner_mod.numerics_error(torch.ones(4, 8, dtype=torch.float16), ref, torch.float32)
     bad = ref.clone()
     bad[2, 5] = 1.5
-    assert at.numerics_error(bad, ref, torch.float32).startswith("numerics off at [2, 5]: got 1.5")
-    assert at.numerics_error(ref.bfloat16(), ref * 1.004, torch.bfloat16) is None
+    assert tuner_mod.numerics_error(bad, ref, torch.float32).startswith("numerics off at [2, 5]: got 1.5")
+    assert tuner_mod.numerics_error(ref.bfloat16(), ref * 1.004, torch.bfloat16) is None
 
 
 def test_op_runs_the_process_autotuner_when_eligible(tmp_path, monkeypatch):
     rec = Recorder({"ours": 1.0, "aten": 2.0})
-    at.set_autotuner(_tuner(rec, tmp_path))
+    tuner_mod.set_autotuner(_tuner(rec, tmp_path))
     monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
     try:
         a, w, bias = torch.randn(2, 3, 32), torch.randn(16, 32), torch.randn(16)
@@ -268,10 +268,10 @@ def test_op_runs_the_process_autotuner_when_eligible(tmp_path, monkeypatch):
             out = op_mod.fused_gemm_epilogue(a, w, [bias], "w=nk;bias@0;relu;out=float32")
         torch.testing.assert_close(out, torch.relu(a @ w.t() + bias))
         assert rec.timed == ["ours", "aten"] and rec.builds == ["ours", "aten"]
-        (res,) = at.get_autotuner().results.values()
+        (res,) = tuner_mod.get_autotuner().results.values()
         assert "layouts=a:row;b:nk;ops:vec" in res.key and "m_bucket=8" in res.key
     finally:
-        at.set_autotuner(None)
+        tuner_mod.set_autotuner(None)
 
 
 @pytest.mark.parametrize(
@@ -285,16 +285,16 @@ def test_addmm_candidate_fuses_scale_and_residual_exactly(text, applies, tmp_pat
     ops = [torch.randn(16) if s.op.operand == "col" else torch.randn(8, 16) for s in spec.steps
            if s.op.operand in ("col", "matrix")]
     problem = Problem.of(a, b, ops, spec)
-    cand = next(c for c in at.default_candidates(problem, inductor=False) if c.name == "cublas:addmm")
+    cand = next(c for c in cands_mod.default_candidates(problem, inductor=False) if c.name == "cublas:addmm")
     assert (cand.applies(problem) is None) is applies
     if applies:
         got = cand.build(problem)(a, b, ops, torch.empty(8, 16))
-        assert at.numerics_error(got, at.reference_fused_gemm(a, b, ops, spec), torch.float32) is None
+        assert tuner_mod.numerics_error(got, reference_fused_gemm(a, b, ops, spec), torch.float32) is None
 
 
 def test_inductor_candidates_get_their_own_code_object():
     s1, s2 = EpilogueSpec.parse("w=kn;relu;out=float32"), EpilogueSpec.parse("w=kn;tanh;out=float32")
-    f1, f2 = at._fresh_chain(s1), at._fresh_chain(s2)
+    f1, f2 = cands_mod._fresh_chain(s1), cands_mod._fresh_chain(s2)
     assert f1.__code__ is not f2.__code__
     a, b = torch.randn(4, 8), torch.randn(8, 16)
     torch.testing.assert_close(f1(a, b), torch.relu(a @ b))
@@ -302,15 +302,15 @@ def test_inductor_candidates_get_their_own_code_object():
 
 
 def test_max_configs_env_limits_cutedsl_candidates(monkeypatch):
-    from branchyard.lowering.nvgemm import cutedsl_gemm
+    from branchyard.lowering.nvgemm import kernel_config
 
-    monkeypatch.setattr(cutedsl_gemm, "cutedsl_available", lambda: (True, ""))
+    monkeypatch.setattr(cands_mod, "cutedsl_available", lambda: (True, ""))
     a, b, ops = _inputs(m=4096)
     problem = Problem.of(a.half(), b.half(), [o.half() for o in ops], SPEC)
-    assert len(at._cutedsl_candidates(problem)) > 1
+    assert len(cands_mod._cutedsl_candidates(problem)) > 1
     monkeypatch.setenv("BRANCHYARD_NVGEMM_MAX_CONFIGS", "1")
-    first = cutedsl_gemm.candidate_configs(4096, 16, 32, "float16")[0].name
-    assert [c.name for c in at._cutedsl_candidates(problem)] == [f"cutedsl:{first}"]
+    first = kernel_config.candidate_configs(4096, 16, 32, "float16")[0].name
+    assert [c.name for c in cands_mod._cutedsl_candidates(problem)] == [f"cutedsl:{first}"]
 
 
 def test_cutlass_plain_candidate_adds_the_epilogue_after_the_plain_gemm(monkeypatch):
@@ -330,32 +330,32 @@ def test_cutlass_plain_candidate_adds_the_epilogue_after_the_plain_gemm(monkeypa
     monkeypatch.setattr(sys.modules["branchyard.lowering.nvgemm"], "cutlass_operators", fake, raising=False)
     a, w, ops = torch.randn(8, 32), torch.randn(16, 32), [torch.randn(16)]
     problem = Problem.of(a, w.t(), ops, SPEC)
-    (cand,) = at._cutlass_plain_candidates(problem)
+    (cand,) = cands_mod._cutlass_plain_candidates(problem)
     got = cand.build(problem)(a, w.t(), ops, torch.empty(8, 16))
     torch.testing.assert_close(got, torch.relu(a @ w.t() + ops[0]))
     assert calls == [(torch.float32, "nk")]
     fake.plain_gemm_available = lambda: (False, "no sm90")
-    assert at._cutlass_plain_candidates(problem) == []
+    assert cands_mod._cutlass_plain_candidates(problem) == []
 
 
 def test_cublaslt_gelu_candidate_refuses_a_device_whose_gelu_is_the_erf_form():
     """On CPU, torch's _addmm_activation GELU is the erf form: the probe sees
     it and the gelu_tanh candidate refuses to build (GELUs are never swapped)."""
-    assert [at._addmm_gelu_form("cpu", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["erf"] * 3
+    assert [cands_mod._addmm_gelu_form("cpu", d) for d in (torch.float32, torch.bfloat16, torch.float16)] == ["erf"] * 3
     a, b, ops = _inputs()
     problem = Problem.of(a, b, ops, EpilogueSpec.parse("w=kn;bias@0;gelu_tanh;out=float32"))
     with pytest.raises(LoweringError, match="computes the erf GELU, not the tanh form"):
-        at._cublaslt_build(problem)
+        cands_mod._cublaslt_build(problem)
     relu = Problem.of(a, b, ops, SPEC)
-    torch.testing.assert_close(at._cublaslt_build(relu)(a, b, ops, torch.empty(8, 16)), torch.relu(a @ b + ops[0]))
+    torch.testing.assert_close(cands_mod._cublaslt_build(relu)(a, b, ops, torch.empty(8, 16)), torch.relu(a @ b + ops[0]))
 
 
 def test_inductor_compiles_are_capped_per_process(monkeypatch):
-    monkeypatch.setattr(at, "_INDUCTOR_FNS", {("already",): None})
+    monkeypatch.setattr(cands_mod, "_INDUCTOR_FNS", {("already",): None})
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "1")
     problem = Problem.of(*_inputs(), SPEC)
     with pytest.raises(LoweringError, match="1 Inductor compiles already made.*BRANCHYARD_NVGEMM_INDUCTOR_MAX"):
-        at._inductor_build(problem, "default")
+        cands_mod._inductor_build(problem, "default")
 
 
 
@@ -377,16 +377,16 @@ def test_prefix_candidates_fuse_what_cublas_can_and_run_the_rest_unfused(text, l
            if s.op.operand in ("col", "matrix")]
     problem = Problem.of(a, b, ops, spec)
     cuda = Problem(**{**problem.__dict__, "device": "cuda:0"})
-    cands = {c.name: c for c in at.default_candidates(problem, inductor=False)}
+    cands = {c.name: c for c in cands_mod.default_candidates(problem, inductor=False)}
     assert (cands["cublaslt:_addmm_activation+aten"].applies(cuda) is None) is lt
     assert (cands["cublas:addmm+aten"].applies(problem) is None) is addmm
-    ref = at.reference_fused_gemm(a, b, ops, spec)
+    ref = reference_fused_gemm(a, b, ops, spec)
     if addmm:
         got = cands["cublas:addmm+aten"].build(problem)(a, b, ops, torch.empty(8, 16))
-        assert at.numerics_error(got, ref, torch.float32) is None
+        assert tuner_mod.numerics_error(got, ref, torch.float32) is None
     if lt and "gelu" not in text:  # on CPU the relu prefix runs; the GELU one refuses (erf form)
         got = cands["cublaslt:_addmm_activation+aten"].build(problem)(a, b, ops, torch.empty(8, 16))
-        assert at.numerics_error(got, ref, torch.float32) is None
+        assert tuner_mod.numerics_error(got, ref, torch.float32) is None
     elif lt:
         with pytest.raises(LoweringError, match="erf GELU"):
             cands["cublaslt:_addmm_activation+aten"].build(problem)
@@ -415,7 +415,7 @@ def test_close_candidates_are_retimed_round_robin_and_ranked_by_median(tmp_path)
     assert res.rounds == {"cool": 4, "steady": 4}
     # first pass in candidate order, then rounds whose first candidate rotates
     assert rec.timed == ["cool", "steady", "slow", "cool", "steady", "steady", "cool", "cool", "steady"]
-    entry = json.loads((tmp_path / "winners.json").read_text())["entries"]
+    entry = json.loads((tmp_path / DB_FILE).read_text())["entries"]
     assert next(iter(entry.values()))["winner"] == "steady"
 
 
@@ -433,7 +433,7 @@ def test_round_robin_varies_position_and_neighbours():
     and after different functions (a rotation alone keeps the same predecessor)."""
     order: list[str] = []
     fns = {name: (lambda: None) for name in "abcd"}
-    samples = at.time_round_robin(fns, 4, lambda name, fn: order.append(name) or float(len(order)))
+    samples = timing.time_round_robin(fns, 4, lambda name, fn: order.append(name) or float(len(order)))
     assert {n: len(v) for n, v in samples.items()} == {n: 4 for n in "abcd"}
     rounds = [order[i : i + 4] for i in range(0, 16, 4)]
     assert all(sorted(r) == list("abcd") for r in rounds)
@@ -445,8 +445,8 @@ def test_round_robin_varies_position_and_neighbours():
 
 
 def test_paired_order_alternates_which_runs_first():
-    assert at.paired_order(4) == [(0, 1), (1, 0), (0, 1), (1, 0)]
-    assert at.paired_order(0) == []
+    assert timing.paired_order(4) == [(0, 1), (1, 0), (0, 1), (1, 0)]
+    assert timing.paired_order(0) == []
 
 
 def test_ratio_summary_is_the_median_of_per_pair_ratios():
@@ -454,14 +454,14 @@ def test_ratio_summary_is_the_median_of_per_pair_ratios():
     # while the ratio of the two medians would if the pairs' times were not adjacent.
     first = [1.0, 1.1, 1.2, 1.3, 1.4]
     second = [2.0, 2.2, 2.4, 2.6, 2.8]
-    med, half_iqr = at.ratio_summary(first, second)
+    med, half_iqr = timing.ratio_summary(first, second)
     assert med == pytest.approx(0.5) and half_iqr == pytest.approx(0.0)
-    med, half_iqr = at.ratio_summary([1.0, 3.0, 2.0], [1.0, 1.0, 1.0])
+    med, half_iqr = timing.ratio_summary([1.0, 3.0, 2.0], [1.0, 1.0, 1.0])
     assert med == 2.0 and half_iqr > 0
     with pytest.raises(LoweringError, match="paired_ratio: .*2 and 3 timings"):
-        at.ratio_summary([1.0, 2.0], [1.0, 2.0, 3.0])
+        timing.ratio_summary([1.0, 2.0], [1.0, 2.0, 3.0])
     with pytest.raises(LoweringError, match="0 and 0"):
-        at.ratio_summary([], [])
+        timing.ratio_summary([], [])
 
 
 class RunRecorder(Recorder):
@@ -498,7 +498,7 @@ def test_close_candidates_meet_the_leader_in_a_paired_playoff(tmp_path):
     assert res.winner == "b"
     assert [(p["candidate"], p["leader"]) for p in res.playoff] == met
     assert res.playoff[0]["ratio"] == pytest.approx(0.97) and res.playoff[1]["ratio"] == pytest.approx(0.99 / 0.97)
-    (entry,) = json.loads((tmp_path / "winners.json").read_text())["entries"].values()
+    (entry,) = json.loads((tmp_path / DB_FILE).read_text())["entries"].values()
     assert entry["winner"] == "b" and len(entry["playoff"]) == 2
 
 
@@ -519,16 +519,16 @@ def test_inductor_candidate_compiles_once_inside_and_outside_the_op():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    at._INDUCTOR_FNS.clear()
+    cands_mod._INDUCTOR_FNS.clear()
     counters.clear()
     spec = EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")
     a, b, ops = _inputs()
-    impl = at._inductor_build(at.Problem.of(a, b, ops, spec), "default")
+    impl = cands_mod._inductor_build(Problem.of(a, b, ops, spec), "default")
     outside = impl(a, b, ops, None)
     with torch._C._AutoDispatchBelowAutograd():  # as inside torch.library's custom op
         inside = impl(a, b, ops, None)
     torch.testing.assert_close(outside, unfused_aten_epilogue(a @ b, spec, ops))
     torch.testing.assert_close(inside, outside)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    at._INDUCTOR_FNS.clear()
+    cands_mod._INDUCTOR_FNS.clear()
     torch._dynamo.reset()

@@ -153,10 +153,12 @@ def test_a_build_that_raises_publishes_nothing(tmp_path):
 
 import torch  # noqa: E402
 
-from branchyard.lowering.nvgemm import autotune as at  # noqa: E402
+from branchyard.lowering.nvgemm import candidates as cands_mod  # noqa: E402
 from branchyard.lowering.nvgemm import cutedsl_gemm as cg  # noqa: E402
 from branchyard.lowering.nvgemm import kernel_cache as kc  # noqa: E402
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec  # noqa: E402
+from branchyard.lowering.nvgemm.kernel_math import plan_steps  # noqa: E402
+from branchyard.lowering.nvgemm.problem import Problem  # noqa: E402
 
 BF16_SPEC = EpilogueSpec.parse("w=nk;bias@0;relu;out=bfloat16")
 
@@ -200,6 +202,7 @@ def fake_cutedsl(tmp_path, monkeypatch):
     monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("BRANCHYARD_NVGEMM_KERNEL_CACHE", raising=False)
     monkeypatch.setattr(cg, "cutedsl_available", lambda: (True, ""))
+    monkeypatch.setattr(cands_mod, "cutedsl_available", lambda: (True, ""))
     monkeypatch.setattr(cg, "_compile", compiler.compile)
     monkeypatch.setattr(cg, "_load", compiler.load)
     monkeypatch.setattr(cg, "_target_arch", lambda: "sm_90a")
@@ -282,12 +285,12 @@ def test_an_entry_that_does_not_load_is_recompiled(fake_cutedsl, tmp_path, monke
         {"config": cg.GemmConfig(128, 256, residual_tma=True)},
         {"operand_dtypes": ["float32"]},
         {"b_layout": "kn"},
-        {"steps": cg.plan_steps("w=nk;bias@0;gelu_tanh;out=bfloat16")},
-        {"steps": cg.plan_steps("w=nk;bias@0;gelu_erf;out=bfloat16")},
+        {"steps": plan_steps(EpilogueSpec.parse("w=nk;bias@0;gelu_tanh;out=bfloat16"))},
+        {"steps": plan_steps(EpilogueSpec.parse("w=nk;bias@0;gelu_erf;out=bfloat16"))},
     ],
 )
 def test_everything_the_code_depends_on_is_in_the_key(change):
-    base = dict(steps=cg.plan_steps("w=nk;bias@0;gelu_erf;out=bfloat16"), dtype="bfloat16", out_dtype="bfloat16",
+    base = dict(steps=plan_steps(EpilogueSpec.parse("w=nk;bias@0;gelu_erf;out=bfloat16")), dtype="bfloat16", out_dtype="bfloat16",
                 operand_dtypes=["bfloat16"], b_layout="nk", config=cg.GemmConfig(128, 256))
     cache = KernelCache("/nonexistent", env=ENV)
     same = cache.digest(cg.kernel_cache_key(**base)) == cache.digest(cg.kernel_cache_key(**{**base, **change}))
@@ -319,8 +322,8 @@ def test_kernel_cache_off_compiles_in_memory_only(fake_cutedsl, tmp_path, monkey
 
 def test_autotuner_cutedsl_candidates_build_through_the_disk_cache(fake_cutedsl, tmp_path, monkeypatch):
     a, w, ops = _bf16_inputs()
-    problem = at.Problem.of(a, w.t(), ops, BF16_SPEC)
-    cands = at._cutedsl_candidates(problem)
+    problem = Problem.of(a, w.t(), ops, BF16_SPEC)
+    cands = cands_mod._cutedsl_candidates(problem)
     assert cands and all(c.name.startswith("cutedsl:t64x") for c in cands), [c.name for c in cands]
     for _ in range(2):
         fresh_process(monkeypatch)
@@ -352,7 +355,7 @@ def test_real_cutedsl_kernel_exports_and_loads_without_compiling(tmp_path, monke
     import tvm_ffi
 
     fresh_process(monkeypatch)
-    steps = cg.plan_steps(BF16_SPEC)
+    steps = plan_steps(BF16_SPEC)
     compiled = []
     real_compile = cg._compile
     monkeypatch.setattr(cg, "_compile", lambda *a: compiled.append(1) or real_compile(*a))

@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import (
+    EPILOGUE_TABLE,
     EPILOGUE_OPS,
     TORCH_MATH,
     EpilogueSpec,
@@ -23,6 +24,7 @@ from branchyard.lowering.nvgemm import (
     nvgemm,
 )
 from branchyard.lowering.nvgemm import op as op_mod
+from branchyard.lowering.nvgemm.kernel_config import layout_ineligibility
 from branchyard.lowering.nvgemm.epilogue import reference_fused_gemm, unfused_aten_epilogue
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
@@ -50,6 +52,33 @@ def _quiet_fallback():
 def test_table_formula_matches_torch_in_fp32(name):
     x = torch.linspace(-12, 12, 4001)
     torch.testing.assert_close(EPILOGUE_OPS[name].apply(x, None, TORCH_MATH), NATIVE[name](x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("row", EPILOGUE_TABLE, ids=lambda r: r.name)
+def test_kernel_formula_is_the_table_formula_in_fp32(row):
+    """Each row's kernel form (division-free) computes its formula: checked on
+    CPU through the torch math namespace, which provides the kernel's extra
+    functions (sigmoid, rcp, exp2, norm_cdf)."""
+    x = torch.linspace(-12, 12, 4001, dtype=torch.float64)
+    operand = {"scalar": 0.37, "col": torch.linspace(-2, 2, 4001, dtype=torch.float64),
+               "matrix": torch.linspace(3, -3, 4001, dtype=torch.float64)}.get(row.operand)
+    torch.testing.assert_close(row.apply_kernel(x, operand, TORCH_MATH), row.apply(x, operand, TORCH_MATH),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_cublas_coverage_is_read_from_the_table():
+    """addmm takes an alpha row then a C row; cuBLASLt a per-column C row then its activation."""
+    from branchyard.lowering.nvgemm.epilogue import addmm_prefix, cublaslt_prefix
+
+    for row in EPILOGUE_TABLE:
+        spec = EpilogueSpec.parse(f"w=kn;bias@0;{row.name}{'@1' if row.operand in ('col', 'matrix') else ''}"
+                                  f"{':0.5' if row.operand == 'scalar' else ''}"
+                                  f"{':float32' if row.operand == 'dtype' else ''};out=float16")
+        lt = cublaslt_prefix(spec.steps)
+        assert (lt is not None) == (row.cublaslt is not None), row.name
+        assert lt is None or lt.use_gelu == (row.name == "gelu_tanh")
+    assert [r.name for r in EPILOGUE_TABLE if r.addmm == "c"] == ["bias", "residual"]
+    assert addmm_prefix(EpilogueSpec.parse("w=kn;scale_col@0;out=float16").steps) is None
 
 
 def test_gelu_variants_differ():
@@ -163,19 +192,19 @@ def test_fallback_warns_once_per_reason(monkeypatch):
 
 def test_layout_ineligibility_reasons():
     h = torch.float16
-    assert "float32" in op_mod.layout_ineligibility(torch.randn(4, 8), torch.randn(8, 16), [], 8, 16)
-    assert "K=12 is not a multiple of 8" in op_mod.layout_ineligibility(
+    assert "float32" in layout_ineligibility(torch.randn(4, 8), torch.randn(8, 16), [], 8, 16)
+    assert "K=12 is not a multiple of 8" in layout_ineligibility(
         torch.randn(4, 12, dtype=h), torch.randn(12, 16, dtype=h), [], 12, 16)
-    assert "N=20 is not a multiple of 8" in op_mod.layout_ineligibility(
+    assert "N=20 is not a multiple of 8" in layout_ineligibility(
         torch.randn(4, 8, dtype=h), torch.randn(8, 20, dtype=h), [], 8, 20)
     base = torch.randn(4 * 8 + 1, dtype=h)
     shifted = base[1:].view(4, 8)  # 2 bytes off a 16-byte boundary
-    assert "input pointer is not 16-byte aligned" in op_mod.layout_ineligibility(
+    assert "input pointer is not 16-byte aligned" in layout_ineligibility(
         shifted, torch.randn(8, 16, dtype=h), [], 8, 16)
     bias = torch.randn(17, dtype=h)[1:]
-    assert "operand 0 pointer" in op_mod.layout_ineligibility(
+    assert "operand 0 pointer" in layout_ineligibility(
         torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [bias], 8, 16)
-    assert op_mod.layout_ineligibility(torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [], 8, 16) is None
+    assert layout_ineligibility(torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [], 8, 16) is None
 
 
 def test_eligible_path_hands_2d_views_to_the_selected_impl(monkeypatch):

@@ -35,7 +35,7 @@ def build_base_class() -> type:
     import cutlass.utils as utils
     import cutlass.utils.hopper_helpers as sm90
 
-    from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K
+    from branchyard.lowering.nvgemm.kernel_config import TILE_K
 
     class GemmKernelBase:
         """``out = epilogue(A @ B^T)`` with A (M, K), B (N, K), out (M, N): the fields

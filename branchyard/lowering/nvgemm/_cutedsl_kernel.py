@@ -22,7 +22,7 @@ from typing import Any
 
 
 @functools.lru_cache(maxsize=1)
-def _build_tile_class() -> type:
+def build_tile_class() -> type:
     """Import CuTeDSL and define :class:`FusedGemmKernel` (cached)."""
     import cutlass
     import cutlass.cute as cute
@@ -31,7 +31,7 @@ def _build_tile_class() -> type:
     import cutlass.utils.hopper_helpers as sm90
 
     from branchyard.lowering.nvgemm._cutedsl_common import build_base_class
-    from branchyard.lowering.nvgemm.cutedsl_gemm import TILE_K
+    from branchyard.lowering.nvgemm.kernel_config import TILE_K
 
     class FusedGemmKernel(build_base_class()):
         """``out = epilogue(A @ B^T)`` with A (M, K), B (N, K), out (M, N); see module doc."""
@@ -43,7 +43,7 @@ def _build_tile_class() -> type:
             self.threads = config.threads
             self.epi_tile = config.epi_tile
             # Index of the [M, N] operand brought in by TMA (the first one), if any.
-            mats = [s.index for s in steps if s.operand == "mat"]
+            mats = [s.index for s in steps if s.operand == "matrix"]
             # It lands in the B ring: stages * tile_n * 64 elements must hold tile_m * tile_n.
             fits = config.ab_stages() * TILE_K >= config.tile_m
             self.tma_mat = mats[0] if config.residual_tma and mats and fits else None
@@ -275,94 +275,3 @@ def _build_tile_class() -> type:
             ring.producer_commit(state)
 
     return FusedGemmKernel
-
-
-def build_kernel_class() -> Any:
-    """The kernel class for a config: ``build_kernel_class()(steps, config, types)``.
-
-    ``config.persistent`` selects the persistent ping-pong kernel of
-    :mod:`._cutedsl_persistent`, else the one-tile-per-CTA kernel above.
-    """
-
-    def make(steps: tuple, config: Any, types: dict) -> Any:
-        if getattr(config, "persistent", False):
-            from branchyard.lowering.nvgemm._cutedsl_persistent import build_persistent_class
-
-            return build_persistent_class()(steps, config, types)
-        return _build_tile_class()(steps, config, types)
-
-    return make
-
-
-# Accumulator elements the epilogue formulas handle per vector (see apply_steps).
-_CHUNK = 8
-
-
-def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last) -> None:
-    """Trace-time unrolled: gather operands by (row, col), run the formulas in fp32, in place on ``acc``.
-
-    ``coords[i]`` is the global (row, col) of ``acc[i]``, ``local[i]`` its
-    (row, col) in the tile (the index into ``sR``, the residual tile of
-    operand ``tma_mat`` in shared memory, when there is one). The fragment is
-    processed ``_CHUNK`` elements at a time so that the gathered operands and
-    temporaries stay a few registers next to the accumulators (whole-fragment
-    vectors spilled to local memory). Rows/cols past the edge are clamped to
-    the last one: the loads stay in bounds without a branch, and the TMA store
-    drops those elements. Formulas come from ``kernel_formula`` (the shared
-    table's, or its cheaper form where one is listed).
-    """
-    import cutlass
-    import cutlass.cute as cute
-
-    from branchyard.lowering.nvgemm.cutedsl_gemm import _CuteMath, kernel_formula
-
-    m = _CuteMath()
-    total = cute.size(acc)
-    chunk = _CHUNK if total % _CHUNK == 0 else 1
-    formulas = [kernel_formula(step) for step in steps]
-    for start in range(0, total, chunk):
-        vals = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-        for j in range(chunk):
-            vals[j] = acc[start + j]
-        x = vals.load()
-        for step, fn in zip(steps, formulas):
-            if step.operand in ("none", "cast"):
-                x = fn(x, m)
-            elif step.operand == "scalar":
-                x = fn(x, step.value, m)
-            elif step.operand == "mat" and step.index == tma_mat:
-                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                for j in range(chunk):
-                    gathered[j] = sR[local[start + j]].to(cutlass.Float32)
-                x = fn(x, gathered.load(), m)
-            else:
-                src = operands[step.index]
-                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                for j in range(chunk):
-                    row, col = coords[start + j]
-                    col = cutlass.min(col, n_last)
-                    if step.operand == "col":
-                        gathered[j] = src[col].to(cutlass.Float32)
-                    else:
-                        gathered[j] = src[cutlass.min(row, m_last), col].to(cutlass.Float32)
-                x = fn(x, gathered.load(), m)
-        vals.store(x)
-        for j in range(chunk):
-            acc[start + j] = vals[j]
-
-
-def apply_tail(steps, x, residual):
-    """Steps from the residual on, over one fp32 vector ``x``: the first step adds
-    ``residual`` (the matching fp32 values), the rest take no tensor operand."""
-    from branchyard.lowering.nvgemm.cutedsl_gemm import _CuteMath, kernel_formula
-
-    m = _CuteMath()
-    for i, step in enumerate(steps):
-        fn = kernel_formula(step)
-        if i == 0:
-            x = fn(x, residual, m)
-        elif step.operand == "scalar":
-            x = fn(x, step.value, m)
-        else:
-            x = fn(x, m)
-    return x

@@ -1,7 +1,7 @@
 """The persistent, warp-specialised ("ping-pong") variant of our CuTeDSL GEMM.
 
 Chosen by ``GemmConfig(persistent=True)``; same contract and epilogue as
-:mod:`branchyard.lowering.nvgemm._cutedsl_kernel` (whose class is defined on
+the one-tile-per-CTA kernel of :mod:`._cutedsl_kernel` (whose class is defined on
 first use for the same reason: the class body needs ``cutlass``), and built on
 the same :mod:`._cutedsl_common` base. Design notes and figures:
 ``docs/nvgemm_kernel.md``.
@@ -56,9 +56,9 @@ def build_persistent_class() -> type:
     import cutlass.utils.hopper_helpers as sm90
 
     from branchyard.lowering.nvgemm._cutedsl_common import build_base_class
-    from branchyard.lowering.nvgemm._cutedsl_kernel import apply_steps, apply_tail
-    from branchyard.lowering.nvgemm.cutedsl_gemm import _PP_EPI_BUFFERS as _EPI_BUFFERS
-    from branchyard.lowering.nvgemm.cutedsl_gemm import persistent_stages
+    from branchyard.lowering.nvgemm._cutedsl_epilogue import apply_steps, apply_tail
+    from branchyard.lowering.nvgemm.kernel_config import PP_EPI_BUFFERS as _EPI_BUFFERS
+    from branchyard.lowering.nvgemm.kernel_config import persistent_stages
 
     class PersistentGemmKernel(build_base_class()):
         """``out = epilogue(A @ B^T)``, persistent ping-pong; see the module doc."""
@@ -79,9 +79,9 @@ def build_persistent_class() -> type:
             output in (conflict-free, no per-element addresses). That needs every step
             after the residual to be operand-free; otherwise all matrix operands are
             gathered from global memory in ``head``."""
-            first = next((i for i, s in enumerate(self.steps) if s.operand == "mat"), None)
+            first = next((i for i, s in enumerate(self.steps) if s.operand == "matrix"), None)
             tail_free = first is not None and all(
-                s.operand in ("none", "scalar", "cast") for s in self.steps[first + 1 :]
+                s.operand in ("none", "scalar", "dtype") for s in self.steps[first + 1 :]
             )
             if residual_tma and tail_free:
                 self.tma_mat = self.steps[first].index

@@ -16,7 +16,16 @@ Each row (:class:`EpilogueOp`) says, as data:
   provide ``exp``, ``tanh``, ``erf`` and ``maximum(x, c)`` (``c`` a Python
   float); ``+ - * /`` are Python operators;
 * ``aten`` -- the unfused eager op (the "unfused ATen chain" candidate, which
-  rounds to the tensor dtype after every step, as the original graph did).
+  rounds to the tensor dtype after every step, as the original graph did);
+* ``kernel_formula`` -- the same function in the form the GPU kernel emits,
+  where that is cheaper (``None``: the kernel runs ``formula``);
+* ``addmm`` / ``cublaslt`` -- what cuBLAS applies of it inside its GEMM
+  (``addmm``'s ``alpha`` or ``C``; ``_addmm_activation``'s ReLU or GELU), read by
+  the tuner's cuBLAS candidates through :func:`addmm_prefix` and
+  :func:`cublaslt_prefix`.
+
+Adding an epilogue op is one row here (plus its tests): the matcher, the
+reference path, the kernel and the cuBLAS candidates all read the table.
 
 A fused chain is an :class:`EpilogueSpec`: the ordered steps plus the output
 dtype and the layout of the weight operand. Its semantics, as Python::
@@ -60,6 +69,10 @@ __all__ = [
     "reference_epilogue",
     "reference_fused_gemm",
     "unfused_aten_epilogue",
+    "CublasPrefix",
+    "addmm_prefix",
+    "cublaslt_prefix",
+    "without_casts",
 ]
 
 OperandKind = Literal["none", "scalar", "col", "matrix", "dtype"]
@@ -75,11 +88,20 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 
 
 class _TorchMath:
-    """The math namespace over torch tensors (used by the reference path)."""
+    """The math namespace over torch tensors (used by the reference path; it
+    also provides the extra functions of the kernel formulas, so those are
+    checked against the table's formulas on CPU)."""
 
     exp = staticmethod(torch.exp)
+    exp2 = staticmethod(torch.exp2)
     tanh = staticmethod(torch.tanh)
     erf = staticmethod(torch.erf)
+    sigmoid = staticmethod(torch.sigmoid)
+    rcp = staticmethod(torch.reciprocal)
+
+    @staticmethod
+    def norm_cdf(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (1.0 + torch.erf(x * 0.7071067811865476))
 
     @staticmethod
     def maximum(x: torch.Tensor, c: float) -> torch.Tensor:
@@ -117,7 +139,7 @@ def _other_operand(node: Node, x: Node) -> Any | str:
     return "the chain value is not an operand"
 
 
-def _known_eq(x: Any, y: Any) -> bool:
+def known_eq(x: Any, y: Any) -> bool:
     """``x == y`` provably (sizes may be SymInts; never adds a guard)."""
     if isinstance(x, int) and isinstance(y, int):
         return x == y
@@ -129,13 +151,13 @@ def _known_eq(x: Any, y: Any) -> bool:
 def same_shape(s1: Any, s2: Any) -> bool:
     """Shapes provably equal (symbolic sizes included; never adds a guard)."""
     s1, s2 = tuple(s1), tuple(s2)
-    return len(s1) == len(s2) and all(_known_eq(x, y) for x, y in zip(s1, s2))
+    return len(s1) == len(s2) and all(known_eq(x, y) for x, y in zip(s1, s2))
 
 
-def _is_col_vector(t: Any, n: Any) -> bool:
+def is_col_vector(t: Any, n: Any) -> bool:
     """``t`` broadcasts along rows only: shape ``[..., 1, N]`` or ``[N]``."""
     shape = tuple(t.shape)
-    return len(shape) >= 1 and _known_eq(shape[-1], n) and all(_known_eq(d, 1) for d in shape[:-1])
+    return len(shape) >= 1 and known_eq(shape[-1], n) and all(known_eq(d, 1) for d in shape[:-1])
 
 
 def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node | str:
@@ -154,7 +176,7 @@ def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node
     if want == "col":
         if t.dim() == 0:
             return f"operand '{other.name}' is a 0-d tensor; only per-column [N] vectors are fused"
-        if not _is_col_vector(t, n):
+        if not is_col_vector(t, n):
             return f"operand '{other.name}' has shape {list(t.shape)}, not a per-column vector [{n}]"
         return other
     if not same_shape(t.shape, out):
@@ -173,7 +195,7 @@ def _match_matrix(node: Node, x: Node) -> Node | str:
     other = _other_operand(node, x)
     if isinstance(other, Node) and isinstance(_val(other), torch.Tensor):
         t = _val(other)
-        if _is_col_vector(t, _out_shape(x)[-1]) and not same_shape(t.shape, _out_shape(x)):
+        if is_col_vector(t, _out_shape(x)[-1]) and not same_shape(t.shape, _out_shape(x)):
             return "per-column operand (matched as bias/scale_col instead)"
     return _tensor_operand(node, x, "matrix")
 
@@ -272,12 +294,28 @@ class EpilogueOp:
     formula: Callable[..., Any]
     aten: Callable[..., torch.Tensor]
     doc: str = ""
+    #: The same function in the form the GPU kernel emits, where that differs
+    #: (no IEEE division, fewer instructions); ``None``: the kernel runs ``formula``.
+    kernel_formula: Callable[..., Any] | None = None
+    #: How cuBLAS's ``addmm(C, A, B, alpha=...)`` applies this step inside the
+    #: GEMM: ``"alpha"`` (scales the product), ``"c"`` (added as ``C``), or ``None``.
+    addmm: Literal["alpha", "c"] | None = None
+    #: The activation cuBLASLt fuses after a bias (``torch._addmm_activation``):
+    #: ``"relu"``, ``"gelu"`` (its tanh form), or ``None``.
+    cublaslt: Literal["relu", "gelu"] | None = None
 
     def apply(self, x: Any, operand: Any, m: Any) -> Any:
         """Evaluate the formula; ``operand`` is ignored for ``none``/``dtype`` rows."""
+        return self._eval(self.formula, x, operand, m)
+
+    def apply_kernel(self, x: Any, operand: Any, m: Any) -> Any:
+        """Evaluate the kernel's form of the formula (see ``kernel_formula``)."""
+        return self._eval(self.kernel_formula or self.formula, x, operand, m)
+
+    def _eval(self, fn: Callable[..., Any], x: Any, operand: Any, m: Any) -> Any:
         if self.operand in ("none", "dtype"):
-            return self.formula(x, m)
-        return self.formula(x, operand, m)
+            return fn(x, m)
+        return fn(x, operand, m)
 
 
 def _gelu_erf(x, m):
@@ -296,29 +334,62 @@ def _sigmoid(x, m):
     return 1.0 / (1.0 + m.exp(-x))
 
 
+# The kernel's forms. An IEEE fp32 division is a ~10-instruction sequence with
+# a slow path, so the kernel evaluates the dividing formulas through
+# ``m.sigmoid`` / ``m.rcp`` (one approximate reciprocal) instead.
+
+#: log2(e): exp(x) = 2^(x log2 e), one ex2 instruction.
+_LOG2E = 1.4426950408889634
+#: -2 sqrt(2/pi) log2(e) and -2 sqrt(2/pi) 0.044715 log2(e): sigmoid(2u) = 1 / (1 + 2^(x (K1 + K3 x^2))).
+_GELU_TANH_K1 = -2.0 * 0.7978845608028654 * _LOG2E
+_GELU_TANH_K3 = -2.0 * 0.7978845608028654 * 0.044715 * _LOG2E
+
+
+def _silu_kernel(x, m):
+    return x * m.sigmoid(x)
+
+
+def _sigmoid_kernel(x, m):
+    return m.sigmoid(x)
+
+
+def _gelu_tanh_kernel(x, m):
+    # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): one ex2 and
+    # one reciprocal, log2(e) folded into the cubic.
+    return x * m.rcp(1.0 + m.exp2(x * (_GELU_TANH_K1 + _GELU_TANH_K3 * (x * x))))
+
+
+def _gelu_erf_kernel(x, m):
+    # x * Phi(x), Phi from erfc directly: 0.5 x (1 + erf(x / sqrt 2)) without the
+    # sign flip, the 1 + erf and the two halvings.
+    return x * m.norm_cdf(x)
+
+
 _ADD = (aten.add.Tensor,)
 _MUL = (aten.mul.Tensor, aten.mul.Scalar)
 
 EPILOGUE_TABLE: tuple[EpilogueOp, ...] = (
     EpilogueOp("bias", _ADD, "col", _match_col,
-               lambda x, v, m: x + v, lambda x, v: x + v, "x + bias[N]"),
+               lambda x, v, m: x + v, lambda x, v: x + v, "x + bias[N]", addmm="c"),
     EpilogueOp("scale", _MUL + _DIV, "scalar", _match_scalar,
-               lambda x, c, m: x * c, lambda x, c: x * c, "x * c, or x / (1/c) (c a Python float)"),
+               lambda x, c, m: x * c, lambda x, c: x * c, "x * c, or x / (1/c) (c a Python float)",
+               addmm="alpha"),
     EpilogueOp("scale_col", _MUL, "col", _match_col,
                lambda x, v, m: x * v, lambda x, v: x * v, "x * scale[N]"),
     EpilogueOp("residual", _ADD, "matrix", _match_matrix,
-               lambda x, r, m: x + r, lambda x, r: x + r, "x + residual[M, N]"),
+               lambda x, r, m: x + r, lambda x, r: x + r, "x + residual[M, N]", addmm="c"),
     EpilogueOp("relu", (aten.relu.default,), "none", _match_unary,
-               lambda x, m: m.maximum(x, 0.0), torch.relu, "max(x, 0)"),
+               lambda x, m: m.maximum(x, 0.0), torch.relu, "max(x, 0)", cublaslt="relu"),
     EpilogueOp("gelu_erf", (aten.gelu.default,), "none", _match_gelu("none"),
-               _gelu_erf, lambda x: torch.nn.functional.gelu(x), "0.5x(1+erf(x/sqrt2))"),
+               _gelu_erf, lambda x: torch.nn.functional.gelu(x), "0.5x(1+erf(x/sqrt2))",
+               kernel_formula=_gelu_erf_kernel),
     EpilogueOp("gelu_tanh", (aten.gelu.default,), "none", _match_gelu("tanh"),
                _gelu_tanh, lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
-               "0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))"),
+               "0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3)))", kernel_formula=_gelu_tanh_kernel, cublaslt="gelu"),
     EpilogueOp("silu", (aten.silu.default,), "none", _match_unary,
-               _silu, torch.nn.functional.silu, "x*sigmoid(x)"),
+               _silu, torch.nn.functional.silu, "x*sigmoid(x)", kernel_formula=_silu_kernel),
     EpilogueOp("sigmoid", (aten.sigmoid.default,), "none", _match_unary,
-               _sigmoid, torch.sigmoid, "1/(1+exp(-x))"),
+               _sigmoid, torch.sigmoid, "1/(1+exp(-x))", kernel_formula=_sigmoid_kernel),
     EpilogueOp("tanh", (aten.tanh.default,), "none", _match_unary,
                lambda x, m: m.tanh(x), torch.tanh, "tanh(x)"),
     EpilogueOp("cast", _CAST_TARGETS, "dtype", _match_cast,
@@ -501,3 +572,54 @@ def unfused_aten_epilogue(
             y = step.op.aten(y)
     return y.to(spec.out_dtype)
 
+
+
+# --- what cuBLAS(Lt) applies inside its GEMM (read from the table's columns) -
+
+
+@dataclass(frozen=True)
+class CublasPrefix:
+    """The leading steps of a chain that one cuBLAS(Lt) call applies.
+
+    ``length`` steps are covered; ``c`` is the operand index of the bias /
+    residual passed as ``C``; ``alpha`` scales the product (``addmm``);
+    ``use_gelu`` picks ``_addmm_activation``'s GELU over its ReLU (cuBLASLt).
+    """
+
+    length: int
+    c: int
+    alpha: float = 1.0
+    use_gelu: bool = False
+
+
+def addmm_prefix(steps: tuple[EpilogueStep, ...]) -> CublasPrefix | None:
+    """``[alpha row] + c row``: what ``torch.addmm(C, A, B, alpha=...)`` applies.
+
+        >>> addmm_prefix(EpilogueSpec.parse("w=kn;scale:0.5;residual@0;relu;out=float16").steps)
+        CublasPrefix(length=2, c=0, alpha=0.5, use_gelu=False)
+    """
+    i, alpha = 0, 1.0
+    if steps and steps[0].op.addmm == "alpha":
+        i, alpha = 1, float(steps[0].operand)  # type: ignore[arg-type]
+    if i < len(steps) and steps[i].op.addmm == "c":
+        return CublasPrefix(i + 1, int(steps[i].operand), alpha)  # type: ignore[arg-type]
+    return None
+
+
+def cublaslt_prefix(steps: tuple[EpilogueStep, ...]) -> CublasPrefix | None:
+    """``per-column c row + cublaslt row``: what ``torch._addmm_activation`` applies.
+
+        >>> cublaslt_prefix(EpilogueSpec.parse("w=kn;bias@0;gelu_tanh;out=float16").steps)
+        CublasPrefix(length=2, c=0, alpha=1.0, use_gelu=True)
+        >>> cublaslt_prefix(EpilogueSpec.parse("w=kn;bias@0;gelu_erf;out=float16").steps) is None
+        True
+    """
+    if len(steps) < 2 or steps[0].op.addmm != "c" or steps[0].op.operand != "col" or steps[1].op.cublaslt is None:
+        return None
+    return CublasPrefix(2, int(steps[0].operand), use_gelu=steps[1].op.cublaslt == "gelu")  # type: ignore[arg-type]
+
+
+def without_casts(steps: tuple[EpilogueStep, ...]) -> tuple[EpilogueStep, ...]:
+    """The steps that change a value in fp32 (a cast inside the chain does not:
+    the fused op rounds once, at the store)."""
+    return tuple(s for s in steps if s.op.operand != "dtype")

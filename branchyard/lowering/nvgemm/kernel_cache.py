@@ -38,7 +38,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
-from branchyard.lowering.nvgemm.autotune import atomic_write_text, cache_dir, environment
+from branchyard.lowering.nvgemm.environment import environment
+from branchyard.lowering.nvgemm.store import atomic_write_text, cache_dir
 
 __all__ = ["KernelCache", "MANIFEST", "KERNEL_CACHE_SCHEMA", "default_kernel_cache"]
 

@@ -47,8 +47,8 @@ from branchyard.lowering.nvgemm.epilogue import (
     EpilogueOp,
     EpilogueSpec,
     EpilogueStep,
-    _is_col_vector,
-    _known_eq,
+    is_col_vector,
+    known_eq,
     same_shape,
 )
 
@@ -184,7 +184,7 @@ def _bias_step(bias: Node, out: Node) -> tuple[EpilogueOp, Operand] | str:
     if not isinstance(t, torch.Tensor):
         return f"bias '{getattr(bias, 'name', bias)}' has no tensor metadata"
     shape_out = tuple(_val(out).shape)
-    if _is_col_vector(t, shape_out[-1]):
+    if is_col_vector(t, shape_out[-1]):
         return (EPILOGUE_OPS["bias"], bias)
     if same_shape(t.shape, shape_out):
         return (EPILOGUE_OPS["residual"], bias)
@@ -267,7 +267,7 @@ def _row_view(node: Node, x: Node) -> bool:
     tin, tout = _val(x), _val(node)
     if not isinstance(tout, torch.Tensor) or tout.dim() < 1:
         return False
-    return _known_eq(tout.shape[-1], tin.shape[-1])
+    return known_eq(tout.shape[-1], tin.shape[-1])
 
 
 def _users(x: Node) -> tuple[list[Node], list[Node]]:

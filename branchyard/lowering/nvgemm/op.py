@@ -22,7 +22,7 @@ Where it runs:
 
 * CUDA, ``nvidia-cutlass-dsl`` importable, 16-bit inputs, ``K`` and ``N``
   multiples of 8 and 16-byte aligned pointers: the autotuned implementation
-  (:mod:`branchyard.lowering.nvgemm.autotune`);
+  (:mod:`branchyard.lowering.nvgemm.tuner`);
 * otherwise the reference path (the semantics above), with a
   :class:`NvGemmFallbackWarning` saying why, once per reason.
 
@@ -45,6 +45,7 @@ import torch
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+from branchyard.lowering.nvgemm.kernel_config import fused_kernel_ineligibility
 
 __all__ = [
     "OP_NAME",
@@ -52,8 +53,6 @@ __all__ = [
     "NvGemmFallbackWarning",
     "parse_spec",
     "check_arguments",
-    "fused_kernel_ineligibility",
-    "layout_ineligibility",
     "reset_fallback_warnings",
     "fallback_reasons",
 ]
@@ -144,59 +143,12 @@ def fallback_reasons() -> frozenset[str]:
         return frozenset(_warned)
 
 
-# --- eligibility ------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _cutedsl_status() -> tuple[bool, str]:
-    # Once per process: a failed ``import cutlass`` is retried on every call
-    # otherwise, and the device query costs microseconds the op cannot spare.
-    try:
-        from branchyard.lowering.nvgemm.cutedsl_gemm import cutedsl_available
-    except Exception as exc:  # the module, or CuTeDSL under it, failed to import
-        return False, f"the CuTeDSL kernel module cannot be imported ({type(exc).__name__}: {exc})"
-    return cutedsl_available()
-
-
-def layout_ineligibility(
-    a: torch.Tensor, b_kn: torch.Tensor, operands: list[torch.Tensor], k: int, n: int
-) -> str | None:
-    """Why dtype, sizes or pointers rule out the fused kernels, or ``None``
-    (device-independent, so it is testable on CPU)."""
-    if a.dtype not in (torch.float16, torch.bfloat16):
-        return f"input dtype {a.dtype}: the fused kernels take float16 or bfloat16"
-    for dim, size in (("K", k), ("N", n)):
-        if size % 8:
-            return f"{dim}={size} is not a multiple of 8 (16-byte rows of a 16-bit type)"
-    named = [("input", a), ("weight", b_kn)] + [(f"operand {i}", t) for i, t in enumerate(operands)]
-    for name, t in named:
-        if t.data_ptr() % 16:
-            return f"the {name} pointer is not 16-byte aligned"
-    return None
-
-
-def fused_kernel_ineligibility(
-    a: torch.Tensor, b_kn: torch.Tensor, operands: list[torch.Tensor], k: int, n: int
-) -> str | None:
-    """Why the GPU implementations cannot take this call, or ``None``.
-
-    Checked in order: device, CuTeDSL, then :func:`layout_ineligibility`.
-    Each reason names the value at fault.
-    """
-    if a.device.type != "cuda":
-        return f"tensors are on {a.device.type}, not CUDA"
-    ok, why = _cutedsl_status()
-    if not ok:
-        return f"nvidia-cutlass-dsl is unavailable: {why}"
-    return layout_ineligibility(a, b_kn, operands, k, n)
-
-
 # --- the op -------------------------------------------------------------------
 
 def _gpu_impl(a2d, b_kn, operands, spec, spec_text=None) -> Callable:
-    from branchyard.lowering.nvgemm import autotune
+    from branchyard.lowering.nvgemm import tuner
 
-    return autotune.select(a2d, b_kn, operands, spec, spec_text)
+    return tuner.select(a2d, b_kn, operands, spec, spec_text)
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())

@@ -1,0 +1,349 @@
+"""The candidates the tuner races for one :class:`~.problem.Problem`: every
+way this library knows to run a matmul + epilogue chain.
+
+==================================  ============================================================
+``cutedsl:<config>``                our fused kernel, one per tile config (:mod:`.cutedsl_gemm`)
+``cutlass_plain+epilogue``          cutlass-operators' plain GEMM, then the chain as ATen ops
+``cublaslt:_addmm_activation``      cuBLASLt's fused bias + ReLU / GELU(tanh), when that is the chain
+``cublas:addmm``                    cuBLAS's ``alpha`` and ``C`` input, when that is the chain
+``cublaslt:_addmm_activation+aten`` cuBLASLt on the chain's prefix, the rest as ATen ops
+``cublas:addmm+aten``               ``addmm`` on the chain's prefix, the rest as ATen ops
+``triton:inductor``                 the unfused chain compiled by Inductor (max-autotune)
+``aten:unfused``                    the original ATen ops, unfused: always offered, so the
+                                    tuned choice is never slower than the program was
+==================================  ============================================================
+
+What cuBLAS(Lt) covers is read from the epilogue table's ``addmm`` and
+``cublaslt`` columns (:func:`~.epilogue.addmm_prefix`,
+:func:`~.epilogue.cublaslt_prefix`); nothing here names an epilogue op.
+
+    >>> import torch
+    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
+    >>> from branchyard.lowering.nvgemm.problem import Problem
+    >>> spec = EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")
+    >>> p = Problem.of(torch.randn(8, 16), torch.randn(16, 32), [torch.randn(32)], spec)
+    >>> [c.name for c in default_candidates(p, inductor=False)]
+    ['cublaslt:_addmm_activation', 'cublas:addmm', 'cublaslt:_addmm_activation+aten', 'cublas:addmm+aten', 'aten:unfused']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm.epilogue import (
+    EpilogueSpec,
+    addmm_prefix,
+    cublaslt_prefix,
+    unfused_aten_epilogue,
+    without_casts,
+)
+from branchyard.lowering.nvgemm.kernel_config import candidate_configs, cutedsl_available, dtype_name
+from branchyard.lowering.nvgemm.problem import Impl, Problem
+
+__all__ = ["Candidate", "UNFUSED", "default_candidates", "unfused_impl"]
+
+logger = logging.getLogger("branchyard")
+
+#: The name of the candidate that leaves the chain unfused.
+UNFUSED = "aten:unfused"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a problem. ``build(problem)`` returns an :data:`~.problem.Impl`
+    or raises (the candidate is then excluded with the error as reason);
+    ``applies(problem)`` returns ``None`` or why the candidate does not apply."""
+
+    name: str
+    build: Callable[[Problem], Impl]
+    applies: Callable[[Problem], str | None] = lambda problem: None
+
+
+# --- the unfused chain -------------------------------------------------------
+
+
+def unfused_impl(spec: EpilogueSpec) -> Impl:
+    """The chain as the original program ran it: ``mm``, then one ATen op per step.
+    Capturable in a CUDA graph (no host synchronisation, no compilation)."""
+
+    def impl(a, b_kn, operands, out):
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands))
+
+    return impl
+
+
+def _aten_build(problem: Problem) -> Impl:
+    return unfused_impl(problem.spec)
+
+
+# --- cuBLAS(Lt) epilogues ----------------------------------------------------
+
+
+def _names(problem: Problem) -> str:
+    return "+".join(problem.spec.names)
+
+
+def _cuda_only(problem: Problem) -> str | None:
+    if not problem.device.startswith("cuda"):
+        return "cuBLASLt runs on CUDA only (the CPU kernel's GELU is the erf form)"
+    return None
+
+
+def _cublaslt_applies(problem: Problem) -> str | None:
+    steps = without_casts(problem.spec.steps)
+    prefix = cublaslt_prefix(steps)
+    if prefix is None or prefix.length != len(steps):
+        return f"_addmm_activation fuses only a bias and its ReLU or tanh-GELU, not {_names(problem)}"
+    if problem.spec.out_dtype != problem.dtype or any(d != problem.dtype for d in problem.operand_dtypes):
+        return "_addmm_activation needs the bias and output in the input dtype"
+    return _cuda_only(problem)
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_gelu_form(device: str, dtype: torch.dtype) -> str:
+    """Which GELU ``_addmm_activation(use_gelu=True)`` computes here: "tanh"
+    or "erf" (torch's CPU kernel uses erf; cuBLASLt's epilogue is tanh).
+
+    Probed once per device and dtype on x in [-4, -2.8] (through ``x @ I``,
+    which is exact), where the two forms differ by 10-40% of the value: far
+    above 16-bit rounding, which the tolerance check alone cannot tell apart.
+    """
+    x = torch.linspace(-4.0, -2.8, 64, device=device).reshape(8, 8).to(dtype)
+    eye = torch.eye(8, device=device, dtype=dtype)
+    got = torch._addmm_activation(torch.zeros(8, device=device, dtype=dtype), x, eye, use_gelu=True).double()
+    xd = x.double()
+    tanh, erf = torch.nn.functional.gelu(xd, approximate="tanh"), torch.nn.functional.gelu(xd)
+    rel = lambda ref: ((got - ref).abs() / ref.abs()).mean().item()  # noqa: E731
+    return "tanh" if rel(tanh) <= rel(erf) else "erf"
+
+
+def _require_tanh_gelu(problem: Problem, use_gelu: bool, where: str) -> None:
+    if use_gelu and _addmm_gelu_form(problem.device, problem.dtype) != "tanh":
+        raise LoweringError(
+            f"_addmm_activation on {problem.device} computes the erf GELU, not the tanh form this chain needs",
+            where=where,
+        )
+
+
+def _cublaslt_build(problem: Problem) -> Impl:
+    prefix = cublaslt_prefix(without_casts(problem.spec.steps))
+    assert prefix is not None  # applies() checked it
+    _require_tanh_gelu(problem, prefix.use_gelu, "cublaslt candidate")
+    bias, use_gelu = prefix.c, prefix.use_gelu
+
+    def impl(a, b_kn, operands, out):
+        return torch._addmm_activation(operands[bias], a, b_kn, use_gelu=use_gelu, out=out)
+
+    return impl
+
+
+def _same_dtype(problem: Problem, operand: int, what: str) -> str | None:
+    if problem.operand_dtypes[operand] != problem.dtype:
+        return f"{what} needs its C input in the matmul dtype"
+    return None
+
+
+def _addmm_applies(problem: Problem) -> str | None:
+    prefix = addmm_prefix(problem.spec.steps)
+    if prefix is None or prefix.length != len(problem.spec.steps):
+        return f"addmm fuses only [scale +] bias or residual, not {_names(problem)}"
+    if problem.spec.out_dtype != problem.dtype:
+        return "addmm needs its input and output in the matmul dtype"
+    return _same_dtype(problem, prefix.c, "addmm")
+
+
+def _addmm_build(problem: Problem) -> Impl:
+    prefix = addmm_prefix(problem.spec.steps)
+    assert prefix is not None  # applies() checked it
+    c, alpha = prefix.c, prefix.alpha
+
+    def impl(a, b_kn, operands, out):
+        return torch.addmm(operands[c], a, b_kn, alpha=alpha, out=out)
+
+    return impl
+
+
+def _rest_spec(spec: EpilogueSpec, start: int) -> EpilogueSpec:
+    """The steps from ``start`` on (operand indices still index the full list)."""
+    return dataclasses.replace(spec, steps=spec.steps[start:])
+
+
+def _lt_prefix_applies(problem: Problem) -> str | None:
+    prefix = cublaslt_prefix(problem.spec.steps)
+    if prefix is None or prefix.length == len(problem.spec.steps):
+        return "the chain does not start with a bias and its ReLU or tanh-GELU followed by more steps"
+    if problem.operand_dtypes[prefix.c] != problem.dtype:
+        return "_addmm_activation needs the bias in the input dtype"
+    return _cuda_only(problem)
+
+
+def _lt_prefix_build(problem: Problem) -> Impl:
+    prefix = cublaslt_prefix(problem.spec.steps)
+    assert prefix is not None  # applies() checked it
+    _require_tanh_gelu(problem, prefix.use_gelu, "cublaslt prefix candidate")
+    bias, use_gelu = prefix.c, prefix.use_gelu
+    rest = _rest_spec(problem.spec, prefix.length)
+
+    def impl(a, b_kn, operands, out):
+        y = torch._addmm_activation(operands[bias], a, b_kn, use_gelu=use_gelu)
+        return unfused_aten_epilogue(y, rest, list(operands))
+
+    return impl
+
+
+def _addmm_prefix_applies(problem: Problem) -> str | None:
+    prefix = addmm_prefix(problem.spec.steps)
+    if prefix is None or prefix.length == len(problem.spec.steps):
+        return "the chain does not start with [scale +] bias or residual followed by more steps"
+    return _same_dtype(problem, prefix.c, "addmm")
+
+
+def _addmm_prefix_build(problem: Problem) -> Impl:
+    prefix = addmm_prefix(problem.spec.steps)
+    assert prefix is not None  # applies() checked it
+    c, alpha = prefix.c, prefix.alpha
+    rest = _rest_spec(problem.spec, prefix.length)
+
+    def impl(a, b_kn, operands, out):
+        return unfused_aten_epilogue(torch.addmm(operands[c], a, b_kn, alpha=alpha), rest, list(operands))
+
+    return impl
+
+
+# --- Triton through Inductor ---------------------------------------------------
+
+#: (spec, mode, shapes, dtypes, strides) -> the compiled chain. Shared by the
+#: op's tuner and the benchmark, so each shape compiles once per process.
+_INDUCTOR_FNS: dict[tuple, Callable[..., torch.Tensor]] = {}
+_CHAIN_IDS = itertools.count()
+
+
+def _fresh_chain(spec: EpilogueSpec) -> Callable[..., torch.Tensor]:
+    """The unfused chain as a function with its OWN code object: Dynamo keeps
+    its compile cache (and recompile limit) per code object, so one shared
+    function would fall back to eager after a handful of shapes."""
+    # A unique name and file too: some of Dynamo's per-function state is keyed
+    # by (file, line, name) rather than by the code object.
+    name = f"nvgemm_chain_{next(_CHAIN_IDS)}"
+    ns: dict[str, Any] = {"_chain": unfused_aten_epilogue, "_spec": spec, "torch": torch}
+    src = f"def {name}(a, b_kn, *ops):\n    return _chain(torch.mm(a, b_kn), _spec, list(ops))\n"
+    exec(compile(src, f"<branchyard {name}>", "exec"), ns)
+    return ns[name]
+
+
+def _inductor_build(problem: Problem, mode: str) -> Impl:
+    key = (str(problem.spec), mode, problem.m, problem.n, problem.k, problem.dtype, problem.operand_dtypes,
+           problem.a_layout, problem.b_layout, problem.operand_layouts, problem.device)
+    compiled = _INDUCTOR_FNS.get(key)
+    if compiled is None:
+        cap = int(os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "32"))
+        if len(_INDUCTOR_FNS) >= cap:
+            raise LoweringError(
+                f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)",
+                where="triton:inductor candidate", hint="raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more",
+            )
+        compiled = torch.compile(_fresh_chain(problem.spec), mode=mode, dynamic=False, fullgraph=True)
+        _INDUCTOR_FNS[key] = compiled
+
+    def impl(a, b_kn, operands, out):
+        # Always below autograd, as inside our custom op: Dynamo guards on the
+        # inputs' dispatch keys, and a call from each side would compile (and
+        # max-autotune) the chain twice, into possibly different kernels.
+        with torch._C._AutoDispatchBelowAutograd():
+            return compiled(a, b_kn, *operands)
+
+    return impl
+
+
+# --- our kernel and cutlass-operators' plain GEMM -----------------------------
+
+
+def _cutedsl_build(problem: Problem, config: Any) -> Impl:
+    from branchyard.lowering.nvgemm import cutedsl_gemm
+
+    # compile_fused_gemm keeps compiled kernels in the on-disk KernelCache, so
+    # a later process loads them in milliseconds instead of recompiling.
+    fn = cutedsl_gemm.compile_fused_gemm(
+        problem.spec, problem.dtype, config, b_layout=problem.b_layout, out_dtype=problem.spec.out_dtype,
+        operand_dtypes=list(problem.operand_dtypes),
+    )
+
+    def impl(a, b_kn, operands, out):
+        fn(a, b_kn, list(operands), out)
+        return out
+
+    return impl
+
+
+def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
+    ok, why = cutedsl_available()
+    if not ok:
+        logger.info("nvgemm: no CuTeDSL candidates: %s", why)
+        return []
+    configs = candidate_configs(problem.m, problem.n, problem.k, dtype_name(problem.dtype))
+    limit = os.environ.get("BRANCHYARD_NVGEMM_MAX_CONFIGS")
+    if limit:
+        configs = configs[: max(1, int(limit))]
+    return [
+        Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c)) for c in configs
+    ]
+
+
+def _cutlass_plain_candidates(problem: Problem) -> list[Candidate]:
+    """cutlass-operators' plain GEMM followed by the chain as ATen ops (see
+    :mod:`.cutlass_operators`); none when that package is missing."""
+    try:
+        from branchyard.lowering.nvgemm import cutlass_operators
+    except Exception as exc:  # module absent or its package missing
+        logger.info("nvgemm: no cutlass-operators candidate: %s", exc)
+        return []
+    ok, why = cutlass_operators.plain_gemm_available()
+    if not ok:
+        logger.info("nvgemm: no cutlass-operators candidate: %s", why)
+        return []
+    return [Candidate("cutlass_plain+epilogue",
+                      functools.partial(_cutlass_plain_build, compile_plain=cutlass_operators.compile_plain_gemm))]
+
+
+def _cutlass_plain_build(problem: Problem, compile_plain: Callable[..., Any]) -> Impl:
+    gemm = compile_plain(problem.dtype, problem.b_layout)
+    spec = problem.spec
+
+    def impl(a, b_kn, operands, out):
+        y = torch.empty((a.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
+        gemm(a, b_kn, y)
+        return unfused_aten_epilogue(y, spec, list(operands))
+
+    return impl
+
+
+def default_candidates(problem: Problem, *, inductor: bool | None = None) -> list[Candidate]:
+    """The candidates for ``problem``, ours first, the unfused chain last.
+
+    ``BRANCHYARD_NVGEMM_MAX_CONFIGS=n`` keeps only the first ``n`` CuTeDSL tile
+    configs (each is a separate compile). ``inductor`` (default: env
+    ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds the Inductor max-autotune
+    candidate, which compiles for minutes; at most
+    ``BRANCHYARD_NVGEMM_INDUCTOR_MAX`` (default 32) shapes per process.
+    """
+    if inductor is None:
+        inductor = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR", "1") != "0"
+    out = _cutedsl_candidates(problem) + _cutlass_plain_candidates(problem)
+    out.append(Candidate("cublaslt:_addmm_activation", _cublaslt_build, _cublaslt_applies))
+    out.append(Candidate("cublas:addmm", _addmm_build, _addmm_applies))
+    out.append(Candidate("cublaslt:_addmm_activation+aten", _lt_prefix_build, _lt_prefix_applies))
+    out.append(Candidate("cublas:addmm+aten", _addmm_prefix_build, _addmm_prefix_applies))
+    if inductor:
+        mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "max-autotune-no-cudagraphs")
+        out.append(Candidate("triton:inductor", functools.partial(_inductor_build, mode=mode)))
+    out.append(Candidate(UNFUSED, _aten_build))
+    return out

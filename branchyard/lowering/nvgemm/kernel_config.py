@@ -1,0 +1,352 @@
+"""What the fused CuTeDSL kernel can run, in one place: its tuning space
+(:class:`GemmConfig`, :func:`candidate_configs`) and every eligibility rule
+(CuTeDSL and the device, dtypes, sizes, strides, pointer alignment).
+
+The op asks :func:`fused_kernel_ineligibility` before it hands a call to the
+tuner; the kernel asserts the same rules; the persistent kernel's shared
+memory plan (:func:`persistent_stages`) lives next to the config it sizes.
+Imports without CUDA or CuTeDSL (those are imported inside functions).
+
+    >>> GemmConfig(128, 256).name
+    't128x256_c1x1_o1'
+    >>> all(c.tile_m == 64 for c in candidate_configs(16, 4096, 4096, "bfloat16"))
+    True
+    >>> check_eligible(128, 100, 4096, "bfloat16")
+    'N=100 is not a multiple of 8 (TMA needs 16-byte rows of 16-bit elements)'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from branchyard.errors import LoweringError
+
+__all__ = [
+    "ALIGN_BYTES",
+    "ALIGN_ELEMENTS",
+    "KERNEL_DTYPES",
+    "OPERAND_DTYPES",
+    "GemmConfig",
+    "TILE_K",
+    "PP_EPI_BUFFERS",
+    "candidate_configs",
+    "check_eligible",
+    "cutedsl_available",
+    "dtype_name",
+    "fused_kernel_ineligibility",
+    "layout_ineligibility",
+    "persistent_stages",
+]
+
+TILE_K = 64
+#: Shared memory one CTA may use on sm_90 (227 KiB), and what we keep for mbarriers.
+_SMEM_CAPACITY = 232448
+_SMEM_RESERVED = 1024
+_EPI_STAGES = 4
+_MAX_AB_STAGES = 8
+#: Input and output dtypes of the kernel (TMA + wgmma on 16-bit types, stmatrix stores).
+KERNEL_DTYPES = ("bfloat16", "float16")
+#: Dtypes an epilogue operand tensor may have (converted to fp32 in registers).
+OPERAND_DTYPES = ("bfloat16", "float16", "float32")
+#: TMA: every row (leading dimension) a multiple of 16 bytes, i.e. 8 16-bit elements,
+#: and every base pointer 16-byte aligned.
+ALIGN_ELEMENTS = 8
+ALIGN_BYTES = 16
+
+
+def dtype_name(dtype: Any) -> str:
+    """'bfloat16' for torch.bfloat16, 'bfloat16', or cutlass.BFloat16."""
+    text = str(dtype).lower()
+    for name in ("bfloat16", "float16", "float32"):
+        if text.endswith(name):
+            return name
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def cutedsl_available() -> tuple[bool, str]:
+    """Whether this process can compile and launch the CuTeDSL kernel.
+
+    Returns ``(True, "")`` or ``(False, reason)``; the reason says what is
+    missing (the package, a CUDA device, an sm_90 device).
+
+        >>> ok, reason = cutedsl_available()
+        >>> isinstance(ok, bool) and isinstance(reason, str)
+        True
+    """
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return False, f"CuTeDSL (nvidia-cutlass-dsl) is not importable: {exc}"
+    try:
+        import tvm_ffi  # noqa: F401
+    except Exception as exc:
+        return False, f"apache-tvm-ffi (CuTeDSL's launch path) is not importable: {exc}"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return False, f"the kernel uses sm_90a instructions (wgmma, TMA); this device is sm_{major}{minor}"
+    return True, ""
+
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One point of the kernel's tuning space.
+
+    ``tile_m`` in {64, 128} rows and ``tile_n`` in {64, 128, 256} columns per
+    CTA; ``cluster_m x cluster_n`` CTAs per cluster (A is multicast along N,
+    B along M); ``occupancy`` is how many CTAs per SM the shared-memory stage
+    count is sized for (2 lets one CTA's epilogue overlap another's main loop).
+    ``raster_group`` is how many cluster rows are walked together so that
+    CTAs running at the same time share B tiles in L2. ``residual_tma`` brings
+    the first ``[M, N]`` operand into shared memory with one TMA copy after the
+    K loop (into the then idle B ring) instead of gathering it element by
+    element from global memory (no effect on chains without one).
+
+    ``persistent`` selects the persistent warp-specialised kernel: a grid of
+    #SMs CTAs, each with a TMA producer warpgroup and two consumer
+    warpgroups that own alternate ``tile_m x tile_n`` tiles ("ping-pong", one
+    warpgroup's epilogue overlaps the other's main loop); there ``tile_m x
+    tile_n`` is one warpgroup's tile (at most 128 x 128 fp32 accumulators per
+    thread), clusters run along M only (``cluster_m`` 1 or 2, B multicast),
+    and the residual tile comes in by TMA as the tile's main loop starts.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 1
+    cluster_n: int = 1
+    occupancy: int = 1
+    raster_group: int = 8
+    residual_tma: bool = False
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.tile_m not in (64, 128):
+            problems.append(f"tile_m={self.tile_m} (must be 64 or 128)")
+        if self.tile_n not in (64, 128, 256):
+            problems.append(f"tile_n={self.tile_n} (must be 64, 128 or 256)")
+        for name in ("cluster_m", "cluster_n"):
+            value = getattr(self, name)
+            if value not in (1, 2, 4):
+                problems.append(f"{name}={value} (must be 1, 2 or 4)")
+        if self.cluster_m * self.cluster_n > 4:
+            problems.append("cluster_m * cluster_n > 4")
+        if self.occupancy not in (1, 2):
+            problems.append(f"occupancy={self.occupancy} (must be 1 or 2)")
+        if self.occupancy == 2 and self.tile_n > 128:
+            problems.append("occupancy=2 with a 256-wide tile does not fit the register file")
+        if self.raster_group < 1:
+            problems.append(f"raster_group={self.raster_group} (must be >= 1)")
+        if self.persistent:
+            if self.tile_m * self.tile_n > 128 * 128:
+                problems.append(
+                    f"persistent tile {self.tile_m}x{self.tile_n} (one warpgroup holds at most 128x128 accumulators)"
+                )
+            if self.cluster_n != 1 or self.cluster_m > 2:
+                problems.append("persistent clusters are cluster_m in {1, 2} with cluster_n = 1")
+            if self.occupancy != 1:
+                problems.append("persistent kernels run one CTA per SM (occupancy=1)")
+        if problems:
+            raise LoweringError("invalid GemmConfig: " + "; ".join(problems), where="GemmConfig")
+
+    @property
+    def warpgroups(self) -> int:
+        """Warpgroups issuing wgmma: two (64 rows each) for 128-row tiles, else one.
+
+        One warpgroup holding a 128x128 fp32 tile needs 128 accumulator registers
+        per thread and spilled once an epilogue was added; two halve that. (The
+        persistent kernel has two consumer warpgroups, each with a whole tile,
+        and its 232-register budget holds that.)
+        """
+        if self.persistent:
+            return 2
+        return 2 if self.tile_m == 128 else 1
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA (the persistent kernel adds a producer warpgroup)."""
+        return 128 * (self.warpgroups + (1 if self.persistent else 0))
+
+    def ab_stages(self, itemsize: int = 2) -> int:
+        """Shared-memory stages of the A/B ring that fit ``occupancy`` CTAs per SM."""
+        if self.persistent:
+            return persistent_stages(self.tile_m, self.tile_n, 0, itemsize)
+        per_stage = (self.tile_m + self.tile_n) * TILE_K * itemsize
+        epi = self.epi_tile[0] * self.epi_tile[1] * itemsize * _EPI_STAGES
+        budget = _SMEM_CAPACITY // self.occupancy - _SMEM_RESERVED - epi
+        return max(2, min(_MAX_AB_STAGES, budget // per_stage))
+
+    @property
+    def epi_tile(self) -> tuple[int, int]:
+        """The sub-tile the epilogue stores at a time (rows, columns)."""
+        rows = 64 * self.warpgroups
+        return rows, min(32, self.tile_n)
+
+    @property
+    def name(self) -> str:
+        """Short stable name, used in logs and in the autotuner's database."""
+        tail = ("_rtma" if self.residual_tma else "") + ("_pp" if self.persistent else "")
+        if self.raster_group != 8:
+            tail += f"_g{self.raster_group}"
+        return f"t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_o{self.occupancy}{tail}"
+
+
+#: Store buffers (64 x 32 sub-tiles) per consumer warpgroup of the persistent kernel: two
+#: are enough there (its epilogue is hidden) and leave shared memory to the A/B ring.
+PP_EPI_BUFFERS = 2
+
+
+def persistent_stages(tile_m: int, tile_n: int, residual_bytes: int, itemsize: int = 2) -> int:
+    """A/B ring stages of the persistent kernel next to its epilogue buffers
+    (``PP_EPI_BUFFERS`` sub-tiles of 64 x min(32, tile_n) per consumer
+    warpgroup) and, for a TMA residual, ``residual_bytes`` (one tile).
+
+        >>> persistent_stages(128, 128, 0), persistent_stages(128, 128, 128 * 128 * 2)
+        (6, 5)
+    """
+    per_stage = (tile_m + tile_n) * TILE_K * itemsize
+    epi = 2 * 64 * min(32, tile_n) * itemsize * PP_EPI_BUFFERS
+    budget = _SMEM_CAPACITY - _SMEM_RESERVED - epi - residual_bytes
+    return max(2, min(_MAX_AB_STAGES, budget // per_stage))
+
+
+def candidate_configs(m: int, n: int, k: int, dtype: Any) -> list[GemmConfig]:
+    """The configs worth timing for an ``[m, k] @ [k, n]`` GEMM of ``dtype``.
+
+    Every config has ``residual_tma`` on unless the environment sets
+    ``BRANCHYARD_NVGEMM_RESIDUAL_TMA=0``. Small M gets 64-row tiles and narrower N tiles (more CTAs on the SMs);
+    large M gets the persistent ping-pong kernel (2-CTA clusters first) and the
+    one-tile-per-CTA 128x256 tile. Fastest first (as measured), so a caller
+    that times only the first few loses little.
+
+        >>> [c.name for c in candidate_configs(1, 4096, 4096, "float16")][:2]
+        ['t64x64_c1x1_o1_rtma', 't64x128_c1x1_o1_rtma']
+    """
+    configs = _candidate_configs(m)
+    if os.environ.get("BRANCHYARD_NVGEMM_RESIDUAL_TMA", "1") != "0":
+        configs = [dataclasses.replace(c, residual_tma=True) for c in configs]
+    return configs
+
+
+def _candidate_configs(m: int) -> list[GemmConfig]:
+    if m <= 64:
+        return [
+            GemmConfig(64, 64),
+            GemmConfig(64, 128),
+            GemmConfig(64, 64, occupancy=2),
+            GemmConfig(64, 128, occupancy=2),
+            GemmConfig(64, 256),
+        ]
+    if m <= 256:
+        return [
+            GemmConfig(64, 128),
+            GemmConfig(64, 256),
+            GemmConfig(128, 128),
+            GemmConfig(128, 128, occupancy=2),
+            GemmConfig(128, 256),
+        ]
+    # Large M: the persistent ping-pong kernel in 2-CTA clusters (B multicast halves the
+    # L2 traffic of B) first, then the one-tile-per-CTA 128x256 tile (docs/nvgemm_kernel.md).
+    return [
+        GemmConfig(128, 128, cluster_m=2, persistent=True),
+        GemmConfig(128, 256),
+        GemmConfig(128, 128, persistent=True),
+        GemmConfig(128, 256, cluster_m=2),
+    ]
+
+
+def check_eligible(m: int, n: int, k: int, dtype: Any) -> str | None:
+    """``None`` when the kernel can run this shape and dtype, else the rule broken.
+
+        >>> check_eligible(8192, 14336, 4096, "bfloat16") is None
+        True
+        >>> check_eligible(128, 100, 4096, "bfloat16")
+        'N=100 is not a multiple of 8 (TMA needs 16-byte rows of 16-bit elements)'
+    """
+    name = dtype_name(dtype)
+    if name not in KERNEL_DTYPES:
+        return f"dtype {name} is not supported (bfloat16 and float16 only)"
+    if m < 1 or n < 1 or k < 1:
+        return f"empty GEMM (M={m}, N={n}, K={k})"
+    for dim, size in (("K", k), ("N", n)):
+        if size % ALIGN_ELEMENTS:
+            return f"{dim}={size} is not a multiple of 8 (TMA needs 16-byte rows of 16-bit elements)"
+    return None
+
+
+def _row_major_rows(t: torch.Tensor) -> bool:
+    """2-D ``t`` has unit column stride and a row stride TMA can address."""
+    return t.stride(1) == 1 and (t.shape[0] <= 1 or t.stride(0) % ALIGN_ELEMENTS == 0)
+
+
+def layout_ineligibility(
+    a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], k: int, n: int
+) -> str | None:
+    """Why dtypes, sizes, strides or pointers rule out the fused kernel, or
+    ``None``. ``a`` is ``[M, K]``, ``b_kn`` the logical ``[K, N]`` weight,
+    ``operands`` the 2-D/1-D views the kernel reads. Device-independent, so it
+    is testable on CPU; each reason names the value at fault.
+
+        >>> import torch
+        >>> h = torch.float16
+        >>> layout_ineligibility(torch.randn(4, 8, dtype=h), torch.randn(16, 16, dtype=h)[:, ::2].t(), [], 8, 16)
+        'the weight [8, 16] has strides (2, 16): neither row-major [K, N] nor the transpose of a row-major [N, K]'
+    """
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return f"input dtype {a.dtype}: the fused kernels take float16 or bfloat16"
+    if b_kn.dtype != a.dtype:
+        return f"weight dtype {b_kn.dtype} differs from input dtype {a.dtype}"
+    if k < 1:
+        return f"K={k}: an empty reduction"
+    why = check_eligible(max(int(a.shape[0]), 1), n, k, a.dtype)
+    if why is not None:
+        return why
+    if not _row_major_rows(a):
+        return (f"the input {list(a.shape)} has strides {tuple(a.stride())}: the kernel reads a row-major "
+                f"input with rows a multiple of {ALIGN_ELEMENTS} elements apart")
+    if not (_row_major_rows(b_kn) or _row_major_rows(b_kn.t())):
+        return (f"the weight {list(b_kn.shape)} has strides {tuple(b_kn.stride())}: neither row-major [K, N] "
+                "nor the transpose of a row-major [N, K]")
+    for i, t in enumerate(operands):
+        if dtype_name(t.dtype) not in OPERAND_DTYPES:
+            return f"operand {i} has dtype {t.dtype}: epilogue operands are float16, bfloat16 or float32"
+        if t.dim() == 1 and t.stride(0) != 1 and t.shape[0] > 1:
+            return f"operand {i} (a per-column vector) has stride {t.stride(0)}, not 1"
+        if t.dim() == 2 and not _row_major_rows(t):
+            return f"operand {i} {list(t.shape)} has strides {tuple(t.stride())}, not row-major"
+    named = [("input", a), ("weight", b_kn)] + [(f"operand {i}", t) for i, t in enumerate(operands)]
+    for name, t in named:
+        if t.data_ptr() % ALIGN_BYTES:
+            return f"the {name} pointer is not 16-byte aligned"
+    return None
+
+
+def fused_kernel_ineligibility(
+    a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], k: int, n: int
+) -> str | None:
+    """Why the GPU implementations cannot take this call, or ``None``.
+
+    Checked in order: device, CuTeDSL and the GPU (:func:`cutedsl_available`),
+    then :func:`layout_ineligibility`.
+    """
+    for t in (a, b_kn, *operands):
+        if t.device.type != "cuda":
+            return f"tensors are on {t.device.type}, not CUDA"
+        if t.device != a.device:
+            return f"tensors are on several devices ({a.device}, {t.device})"
+    ok, why = cutedsl_available()
+    if not ok:
+        return f"nvidia-cutlass-dsl is unavailable: {why}"
+    return layout_ineligibility(a, b_kn, operands, k, n)
+

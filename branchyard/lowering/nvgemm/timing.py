@@ -1,0 +1,250 @@
+"""How candidates are timed, and which kind of time counts.
+
+The op is run in one of two ways, and the fastest candidate differs between them:
+
+* ``"host"`` (the default): called eagerly. The caller waits for the host
+  work (Python, dispatch, one launch per kernel of an unfused chain) as well
+  as the GPU's, so a candidate is timed host-inclusive (:func:`host_timer`).
+  At small M the host work can exceed the kernels' time.
+* ``"device"``: replayed inside a CUDA graph, where host work is not paid;
+  candidates are timed on the device alone (:func:`cuda_event_timer`).
+
+:func:`timing_mode` says which, for the code it wraps; the tuner keys its
+choice on it, so one process can hold both answers. A CUDA-graph lowering
+wraps its warm-up (where tuning happens) and capture in
+``timing_mode("device")``::
+
+    >>> current_timing_mode()
+    'host'
+    >>> with timing_mode("device"):
+    ...     current_timing_mode()
+    'device'
+
+Timers take ``fn`` (no arguments) and return milliseconds. The helpers for
+ranking close candidates (:func:`time_round_robin`, :func:`paired_ratio`)
+exist because a GPU's clock drifts as it heats: a fixed order of timings
+favours whichever candidate always ran first, and two functions timed in
+separate blocks see different clocks, while the two of one adjacent pair
+see the same one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import statistics
+import time
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm.problem import TimingMode
+
+__all__ = [
+    "TIMING_MODES",
+    "cuda_event_timer",
+    "current_timing_mode",
+    "host_timer",
+    "paired_order",
+    "paired_ratio",
+    "ratio_summary",
+    "time_round_robin",
+    "timing_mode",
+]
+
+TIMING_MODES: tuple[TimingMode, ...] = ("host", "device")
+
+_MODE: contextvars.ContextVar[TimingMode] = contextvars.ContextVar("branchyard_nvgemm_timing", default="host")
+
+
+@contextlib.contextmanager
+def timing_mode(mode: TimingMode) -> Iterator[None]:
+    """Within the block, the op is tuned (and its choice looked up) for ``mode``:
+    ``"host"`` (eager calls) or ``"device"`` (calls replayed in a CUDA graph)."""
+    if mode not in TIMING_MODES:
+        raise LoweringError(f"timing mode {mode!r}", where="nvgemm.timing_mode", hint="use 'host' or 'device'")
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def current_timing_mode() -> TimingMode:
+    """The mode set by the innermost :func:`timing_mode` (default ``"host"``)."""
+    return _MODE.get()
+
+
+class _L2Flush:
+    """A buffer larger than any L2 (H200: 50 MiB), zeroed before each timed run,
+    so that every run reads its operands from HBM as a call in a model does."""
+
+    def __init__(self, device: torch.device, nbytes: int = 256 << 20) -> None:
+        self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.zero_()
+
+
+#: Assumed GPU clock for ``torch.cuda._sleep`` (cycles); a slower clock only makes the hold longer.
+_SLEEP_HZ = 2.0e9
+
+
+def _hold_gpu(seconds: float) -> None:
+    """Keep the current stream busy for about ``seconds`` with a spinning kernel, so
+    that the host can enqueue the timed launches before the GPU reaches them."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None and seconds > 0:
+        sleep(int(min(seconds, 0.5) * _SLEEP_HZ))
+
+
+def cuda_event_timer(
+    fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0, device_only: bool = True,
+) -> float:
+    """Median milliseconds of ``fn`` between CUDA events, L2 flushed before each run.
+
+    ``device_only`` (the default): device time. A spinning kernel holds the
+    GPU while the host enqueues every run, so host overhead does not count
+    (what a CUDA-graph replay pays). ``device_only=False`` lets host time show
+    wherever it exceeds the GPU's work. ``reps`` shrinks for slow functions so
+    one candidate takes about ``max_ms``.
+    """
+    hold = _hold_gpu if device_only else (lambda seconds: None)
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = _L2Flush(device)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    fn()
+    flush()
+    host = time.perf_counter() - host  # enqueue time of one timed run
+    torch.cuda.synchronize()
+    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    hold(2 * host + 1e-3)
+    probe_start.record()
+    fn()
+    probe_end.record()
+    torch.cuda.synchronize()
+    once = max(probe_start.elapsed_time(probe_end), 1e-3)
+    reps = max(5, min(reps, int(max_ms / once)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    hold(2 * reps * host + 1e-3)
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_timer(
+    fn: Callable[[], Any], *, warmup: int = 3, reps: int = 50, max_ms: float = 400.0,
+    sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Milliseconds per call of ``fn`` called back to back, as an eager caller
+    waits for it: wall-clock time of ``reps`` calls, synchronised at both ends.
+
+    In a loop, a call costs the larger of its host work and its GPU work, so
+    this is the time to compare candidates by when nothing hides the host
+    work. The L2 is not flushed between calls (a flush kernel would hide the
+    host work it is meant to expose). ``sync`` defaults to
+    ``torch.cuda.synchronize`` on CUDA, a no-op otherwise.
+
+        >>> host_timer(lambda: None, sync=lambda: None) >= 0.0
+        True
+    """
+    if sync is None:
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = clock()
+    fn()
+    sync()
+    once = max(clock() - start, 1e-7) * 1e3
+    reps = max(5, min(reps, int(max_ms / once)))
+    start = clock()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (clock() - start) * 1e3 / reps
+
+
+def paired_order(pairs: int) -> list[tuple[int, int]]:
+    """Run order of :func:`paired_ratio`: pair ``i`` runs (0, 1) when ``i`` is
+    even and (1, 0) when odd, so neither function always runs first."""
+    return [(0, 1) if i % 2 == 0 else (1, 0) for i in range(pairs)]
+
+
+def ratio_summary(first_ms: Sequence[float], second_ms: Sequence[float]) -> tuple[float, float]:
+    """Median and half the interquartile range of the per-pair ratios ``first / second``."""
+    if len(first_ms) != len(second_ms) or not first_ms:
+        raise LoweringError(f"paired_ratio: paired timings need two equal, non-empty lists "
+                            f"(got {len(first_ms)} and {len(second_ms)} timings)")
+    ratios = sorted(a / b for a, b in zip(first_ms, second_ms))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(ratios), (q[2] - q[0]) / 2
+
+
+def paired_ratio(
+    first: Callable[[], Any], second: Callable[[], Any], *, pairs: int = 40, warmup: int = 2,
+    device_only: bool = True,
+) -> tuple[float, float]:
+    """Time of ``first`` over ``second``, measured in adjacent pairs.
+
+    Each pair runs both functions back to back (L2 flushed before each, the
+    order alternating between pairs, see :func:`paired_order`) and gives one
+    ratio; returns the median ratio and half its interquartile range. Within
+    a pair both functions see the same GPU clock. ``device_only`` as in
+    :func:`cuda_event_timer`.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = _L2Flush(device)
+    fns = (first, second)
+    for _ in range(warmup):
+        first()
+        second()
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    for fn in fns:
+        flush()
+        fn()
+    host = time.perf_counter() - host  # enqueue time of one pair
+    torch.cuda.synchronize()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(pairs)]
+              for _ in fns]
+    if device_only:
+        _hold_gpu(2 * pairs * host + 1e-3)
+    for i, order in enumerate(paired_order(pairs)):
+        for which in order:
+            start, end = events[which][i]
+            flush()
+            if not device_only:
+                torch.cuda.synchronize()  # the flush must not hide the host work of the timed call
+            start.record()
+            fns[which]()
+            end.record()
+    torch.cuda.synchronize()
+    first_ms, second_ms = ([s.elapsed_time(e) for s, e in evs] for evs in events)
+    return ratio_summary(first_ms, second_ms)
+
+
+def time_round_robin(
+    fns: Mapping[str, Callable[[], Any]], rounds: int, timer: Callable[[str, Callable[[], Any]], float],
+) -> dict[str, list[float]]:
+    """``timer(name, fn)`` of every function, ``rounds`` times, round ``r`` in
+    the order rotated by ``r`` and, on odd rounds (of three or more functions),
+    reversed: each function runs in every position and after both neighbours.
+    """
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names) if names else 0
+        order = names[shift:] + names[:shift]
+        for name in reversed(order) if r % 2 and len(names) > 2 else order:  # two: rotating alternates them
+            samples[name].append(timer(name, fns[name]))
+    return samples

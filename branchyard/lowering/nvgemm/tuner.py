@@ -1,0 +1,412 @@
+"""Choose the fastest implementation of a fused GEMM by timing it on the real shape.
+
+For one :class:`~.problem.Problem` the :class:`Autotuner`:
+
+1. lists the candidates that apply (:func:`~.candidates.default_candidates`,
+   the unfused ATen chain among them, so the choice is never slower than the
+   program the user had);
+2. builds each one; a build failure excludes it, with the reason logged;
+3. runs each once against the fp32 reference (wrong numerics exclude it);
+4. times the survivors the way the caller runs the op (:mod:`.timing`:
+   host-inclusive for eager calls, device-only in a CUDA graph), re-times
+   the close ones in rotating rounds and settles the closest in adjacent
+   pairs, and keeps the fastest;
+5. records the winner in the :class:`~.winners.WinnerDB`, keyed by the
+   environment, spec, dtypes, layouts, ``N``, ``K``, an ``M`` bucket and the
+   timing mode, so later processes skip 2-4.
+
+Everything the decision depends on is injectable (candidates, timer, pair
+function, database, environment), so the logic is tested on CPU with fake
+timings::
+
+    >>> import torch, tempfile
+    >>> from branchyard.lowering.nvgemm.candidates import Candidate
+    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, unfused_aten_epilogue
+    >>> from branchyard.lowering.nvgemm.winners import WinnerDB
+    >>> spec = EpilogueSpec.parse("w=kn;relu;out=float32")
+    >>> def aten(p):
+    ...     return lambda a, b, ops, out: unfused_aten_epilogue(a @ b, p.spec, ops)
+    >>> fake_ms = {"slow": 2.0, "fast": 1.0}
+    >>> tuner = Autotuner([Candidate("slow", aten), Candidate("fast", aten)],
+    ...                   timer=lambda name, fn: fake_ms[name], progress=False,
+    ...                   db=WinnerDB(tempfile.mkdtemp()), env={"gpu": "test"})
+    >>> a, b = torch.randn(8, 16), torch.randn(16, 32)
+    >>> tuner.tune(a, b, [], spec).winner
+    'fast'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm.candidates import Candidate, default_candidates
+from branchyard.lowering.nvgemm.environment import environment
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+from branchyard.lowering.nvgemm.problem import Impl, Problem, TimingMode, m_bucket
+from branchyard.lowering.nvgemm.progress import ProgressBar
+from branchyard.lowering.nvgemm.timing import (
+    cuda_event_timer,
+    current_timing_mode,
+    host_timer,
+    paired_ratio,
+    time_round_robin,
+)
+from branchyard.lowering.nvgemm.winners import WinnerDB
+
+__all__ = [
+    "Autotuner",
+    "CONTENDER_MARGIN",
+    "PLAYOFF_MARGIN",
+    "TuneResult",
+    "get_autotuner",
+    "numerics_error",
+    "select",
+    "set_autotuner",
+]
+
+logger = logging.getLogger("branchyard")
+
+
+@dataclass
+class TuneResult:
+    """What one tuning run found: the winner, every survivor's median time in
+    ms, and every excluded candidate with its reason."""
+
+    key: str
+    winner: str
+    timings: dict[str, float] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+    from_cache: bool = False
+    #: How many timings each re-timed contender's median is over (empty: one pass decided).
+    rounds: dict[str, int] = field(default_factory=dict)
+    #: The paired playoff, in order: each candidate's time over the then leader's (< 1: it took the lead).
+    playoff: list[dict[str, Any]] = field(default_factory=list)
+    impl: Impl | None = field(default=None, repr=False, compare=False)
+
+    def table(self) -> str:
+        """A readable summary (fastest first)."""
+        rows = [f"{name:<28} {ms * 1e3:10.1f} us" for name, ms in sorted(self.timings.items(), key=lambda kv: kv[1])]
+        rows += [f"{name:<28} excluded: {why}" for name, why in self.excluded.items()]
+        return "\n".join(rows)
+
+
+_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-3}
+
+
+def numerics_error(got: torch.Tensor, ref: torch.Tensor, out_dtype: torch.dtype) -> str | None:
+    """``None`` if ``got`` is within ``out_dtype`` tolerance of the fp32 ``ref``,
+    else what is wrong (shape, dtype, NaNs, or the worst element)."""
+    if tuple(got.shape) != tuple(ref.shape):
+        return f"result shape {list(got.shape)}, expected {list(ref.shape)}"
+    if got.dtype != out_dtype:
+        return f"result dtype {got.dtype}, expected {out_dtype}"
+    g, r = got.float(), ref.float()
+    if torch.isnan(g).any() and not torch.isnan(r).any():
+        return "result has NaNs"
+    tol = _TOLERANCE.get(out_dtype, 1e-3)
+    scale = r.abs().mean().clamp_min(1e-6)
+    err = (g - r).abs() - tol * r.abs() - tol * scale
+    worst = float(err.max()) if err.numel() else 0.0
+    if worst > 0:
+        idx = int(err.argmax())
+        row, col = divmod(idx, r.shape[-1]) if r.dim() > 1 else (0, idx)
+        return f"numerics off at [{row}, {col}]: got {float(g.flatten()[idx]):.6g}, reference {float(r.flatten()[idx]):.6g}"
+    return None
+
+
+#: Candidates whose first timing is within this factor of the fastest are timed again.
+CONTENDER_MARGIN = 1.10
+
+#: After the rounds, candidates whose median is within this factor of the leader's meet it
+#: in a paired comparison (:func:`~.timing.paired_ratio`), which decides the winner.
+PLAYOFF_MARGIN = 1.05
+
+#: Exact call signatures remembered per tuner before the table starts over (serving with many M).
+_EXACT_LIMIT = 4096
+
+
+def _default_timer(mode: TimingMode) -> Callable[[str, Callable[[], Any]], float]:
+    if mode == "device":
+        return lambda name, fn: cuda_event_timer(fn)
+    return lambda name, fn: host_timer(fn)
+
+
+class Autotuner:
+    """Pick, build and cache the fastest candidate per problem.
+
+    ``candidates``: a list, or a function ``problem -> list`` (default
+    :func:`~.candidates.default_candidates`); ``timer(name, fn) -> ms``
+    (default: by the timing mode, :func:`~.timing.host_timer` or
+    :func:`~.timing.cuda_event_timer`); ``db`` (default :class:`~.winners.WinnerDB`
+    in the cache folder); ``env`` (default :func:`~.environment.environment`);
+    ``progress`` (default: env ``BRANCHYARD_NVGEMM_PROGRESS`` != ``0``);
+    ``rounds`` (default: env ``BRANCHYARD_NVGEMM_TUNE_ROUNDS``, else 3);
+    ``pair(fn_a, fn_b) -> time_a / time_b`` for the playoff (default:
+    :func:`~.timing.paired_ratio` with env ``BRANCHYARD_NVGEMM_TUNE_PAIRS``
+    pairs, else 40, where the default timer is used; no playoff with a
+    custom ``timer`` and no ``pair``).
+
+    Every candidate is timed once; those within :data:`CONTENDER_MARGIN` of
+    the fastest are timed again in ``rounds`` round-robin rounds and ranked
+    by the median of all their timings (a GPU's clock drifts as it heats, so
+    one pass in a fixed order favours whoever ran on the cooler chip). Last,
+    the leader meets every candidate within :data:`PLAYOFF_MARGIN` of it in
+    adjacent pairs, and the faster of each pair leads on.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[Candidate] | Callable[[Problem], Sequence[Candidate]] | None = None,
+        *,
+        timer: Callable[[str, Callable[[], Any]], float] | None = None,
+        db: WinnerDB | None = None,
+        env: Mapping[str, str] | None = None,
+        progress: bool | None = None,
+        stream: Any = None,
+        rounds: int | None = None,
+        pair: Callable[[Callable[[], Any], Callable[[], Any]], float] | None = None,
+    ) -> None:
+        self._candidates = candidates if candidates is not None else default_candidates
+        self._pairs = 0
+        if pair is None and timer is None:
+            self._pairs = int(os.environ.get("BRANCHYARD_NVGEMM_TUNE_PAIRS", "40"))
+        self.pair = pair
+        self.timer = timer
+        self.db = db if db is not None else WinnerDB()
+        self.env = dict(env) if env is not None else None
+        self.progress = progress if progress is not None else os.environ.get("BRANCHYARD_NVGEMM_PROGRESS", "1") != "0"
+        self.stream = stream
+        self.rounds = rounds if rounds is not None else int(os.environ.get("BRANCHYARD_NVGEMM_TUNE_ROUNDS", "3"))
+        self._impls: dict[tuple, Impl] = {}
+        self._exact: dict[tuple, Impl] = {}
+        self._lock = threading.RLock()
+        #: Every tuning result of this process, by key (the benchmark reads it).
+        self.results: dict[str, TuneResult] = {}
+
+    def candidates(self, problem: Problem) -> list[Candidate]:
+        """The candidates for ``problem`` (before applicability checks)."""
+        c = self._candidates
+        return list(c(problem) if callable(c) else c)
+
+    def _env(self, problem: Problem) -> Mapping[str, str]:
+        return self.env if self.env is not None else environment(problem.device)
+
+    def _timer(self, problem: Problem) -> Callable[[str, Callable[[], Any]], float]:
+        return self.timer if self.timer is not None else _default_timer(problem.timing)
+
+    def _pair(self, problem: Problem) -> Callable[[Callable[[], Any], Callable[[], Any]], float] | None:
+        if self.pair is not None:
+            return self.pair
+        if self._pairs <= 0:
+            return None
+        device_only = problem.timing == "device"
+        return lambda f, g: paired_ratio(f, g, pairs=self._pairs, device_only=device_only)[0]
+
+    @staticmethod
+    def _bucket_key(a, b_kn, operands, spec_text: str, mode: TimingMode) -> tuple:
+        return (
+            spec_text, mode, a.shape[1], b_kn.shape[1], m_bucket(a.shape[0]), a.dtype, a.stride(1) == 1,
+            b_kn.stride(0) == 1, tuple((t.dtype, t.dim(), t.stride(-1) == 1) for t in operands), a.device,
+        )
+
+    @staticmethod
+    def exact_key(a, b_kn, operands, spec_text: str, mode: TimingMode) -> tuple:
+        """The in-memory key of one call signature: spec, mode, every shape, stride, dtype, the device."""
+        return (spec_text, mode, a.shape, a.stride(), b_kn.shape, b_kn.stride(), a.dtype, a.device,
+                *[(t.dtype, t.shape, t.stride()) for t in operands])
+
+    def lookup(self, key: tuple) -> Impl | None:
+        """The implementation already chosen (and run) for the call signature
+        ``key`` (:meth:`exact_key`), or ``None``; never tunes, builds or loads."""
+        return self._exact.get(key)
+
+    def select(
+        self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,
+        spec_text: str | None = None, mode: TimingMode | None = None,
+    ) -> Impl:
+        """The implementation to run for this call (tuning it on first sight).
+
+        Two in-memory levels keep the per-call cost low: the exact shapes and
+        strides of this call, then the problem's bucket key; only a miss on
+        both consults the database or tunes. ``mode`` defaults to
+        :func:`~.timing.current_timing_mode`.
+        """
+        text = spec_text or str(spec)
+        mode = mode or current_timing_mode()
+        exact = self.exact_key(a, b_kn, operands, text, mode)
+        impl = self._exact.get(exact)
+        if impl is not None:
+            return impl
+        fast = self._bucket_key(a, b_kn, operands, text, mode)
+        impl = self._impls.get(fast)
+        if impl is None:
+            with self._lock:
+                impl = self._impls.get(fast)
+                if impl is None:
+                    impl = self._select_slow(a, b_kn, operands, spec, mode)
+                    self._impls[fast] = impl
+        if len(self._exact) > _EXACT_LIMIT:  # many distinct M (serving): start over, the bucket level remains
+            self._exact.clear()
+        self._exact[exact] = impl
+        return impl
+
+    def _select_slow(self, a, b_kn, operands, spec, mode) -> Impl:
+        problem = Problem.of(a, b_kn, operands, spec, mode)
+        cands = {c.name: c for c in self.candidates(problem)}
+        key = problem.key(self._env(problem))
+        entry = self.db.get(key, known=list(cands))
+        if entry is not None:
+            try:
+                impl = cands[entry["winner"]].build(problem)
+                self.results[key] = TuneResult(key, entry["winner"], dict(entry.get("timings") or {}),
+                                               dict(entry.get("excluded") or {}), from_cache=True)
+                logger.info("nvgemm: %s -> %s (from %s)", problem, entry["winner"], self.db.path)
+                return impl
+            except Exception as exc:  # the recorded winner no longer builds: retune
+                logger.warning("nvgemm: cached winner %s fails to build (%s); retuning", entry["winner"], exc)
+        return self._tune(problem, key, list(cands.values()), a, b_kn, operands).impl  # type: ignore[return-value]
+
+    def tune(
+        self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,
+        mode: TimingMode | None = None,
+    ) -> TuneResult:
+        """Tune this problem now (ignoring the database's entry) and record the winner."""
+        mode = mode or current_timing_mode()
+        problem = Problem.of(a, b_kn, operands, spec, mode)
+        key = problem.key(self._env(problem))
+        with self._lock:
+            result = self._tune(problem, key, self.candidates(problem), a, b_kn, operands)
+            self._impls[self._bucket_key(a, b_kn, operands, str(spec), mode)] = result.impl  # type: ignore[assignment]
+            self._exact.clear()
+        return result
+
+    def _tune(self, problem, key, cands, a, b_kn, operands) -> TuneResult:
+        result = TuneResult(key, winner="")
+        bar = ProgressBar(len(cands), str(problem), stream=self.stream, enabled=self.progress)
+        ref = reference_fused_gemm(a, b_kn, list(operands), problem.spec)
+        timer = self._timer(problem)
+        built: dict[str, Impl] = {}
+        for cand in cands:
+            why = cand.applies(problem)
+            if why is None:
+                why = self._try(cand, problem, a, b_kn, operands, ref, result, built, timer)
+            if why is not None:
+                result.excluded[cand.name] = why
+                logger.info("nvgemm: %s excluded for %s: %s", cand.name, problem, why)
+                bar.step(f"{cand.name}: excluded")
+            else:
+                bar.step(f"{cand.name}: {result.timings[cand.name] * 1e3:.1f} us")
+        if not result.timings:
+            raise LoweringError(
+                f"no candidate can run {problem}: "
+                + "; ".join(f"{n}: {w}" for n, w in result.excluded.items()),
+                where="nvgemm autotune",
+                hint="the reference path still runs it; check the exclusion reasons",
+            )
+        self._rerun_contenders(problem, a, b_kn, operands, result, built, timer)
+        result.winner = self._playoff(problem, a, b_kn, operands, result, built)
+        result.impl = built[result.winner]
+        self.results[key] = result
+        self.db.put(key, {
+            "winner": result.winner, "timings": result.timings, "excluded": result.excluded,
+            "playoff": result.playoff, "timing": problem.timing,
+            "problem": str(problem), "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        })
+        logger.info("nvgemm: %s -> %s\n%s", problem, result.winner, result.table())
+        return result
+
+    def _rerun_contenders(self, problem, a, b_kn, operands, result, built, timer) -> None:
+        best = min(result.timings.values())
+        close = [n for n, t in result.timings.items() if t <= best * CONTENDER_MARGIN]
+        if len(close) < 2 or self.rounds < 1:
+            return
+        samples = time_round_robin(
+            self._callers(problem, a, b_kn, operands, built, close),
+            self.rounds, lambda name, fn: float(timer(name, fn)),
+        )
+        for name in close:
+            samples[name].insert(0, result.timings[name])
+            result.timings[name] = statistics.median(samples[name])
+        result.rounds = {n: len(v) for n, v in samples.items()}
+
+    @staticmethod
+    def _callers(problem, a, b_kn, operands, built, names) -> dict[str, Callable[[], Any]]:
+        """A no-argument call of each named built candidate, all writing one output buffer."""
+        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
+        ops = list(operands)
+        return {n: (lambda impl=built[n]: impl(a, b_kn, ops, out)) for n in names}
+
+    def _playoff(self, problem, a, b_kn, operands, result, built) -> str:
+        leader = min(result.timings, key=result.timings.__getitem__)
+        close = sorted((n for n, t in result.timings.items()
+                        if n != leader and t <= result.timings[leader] * PLAYOFF_MARGIN), key=result.timings.get)
+        pair = self._pair(problem)
+        if pair is None or not close:
+            return leader
+        run = self._callers(problem, a, b_kn, operands, built, [leader, *close])
+        for name in close:
+            ratio = float(pair(run[name], run[leader]))
+            result.playoff.append({"candidate": name, "leader": leader, "ratio": ratio})
+            if ratio < 1.0:
+                leader = name
+        return leader
+
+    def _try(self, cand, problem, a, b_kn, operands, ref, result, built, timer) -> str | None:
+        try:
+            impl = cand.build(problem)
+        except Exception as exc:
+            return f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        out = torch.empty((problem.m, problem.n), dtype=problem.spec.out_dtype, device=a.device)
+        ops = list(operands)
+        try:
+            got = impl(a, b_kn, ops, out)
+        except Exception as exc:
+            return f"run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        got = out if got is None else got
+        bad = numerics_error(got, ref, problem.spec.out_dtype)
+        if bad is not None:
+            return bad
+        try:
+            result.timings[cand.name] = float(timer(cand.name, lambda: impl(a, b_kn, ops, out)))
+        except Exception as exc:
+            return f"timing failed: {type(exc).__name__}: {exc}"
+        built[cand.name] = impl
+        return None
+
+
+_default: Autotuner | None = None
+_default_lock = threading.Lock()
+
+
+def get_autotuner() -> Autotuner:
+    """The process-wide autotuner the fused op uses."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Autotuner()
+        return _default
+
+
+def set_autotuner(tuner: Autotuner | None) -> None:
+    """Replace the process-wide autotuner (``None``: a fresh default one next time)."""
+    global _default
+    with _default_lock:
+        _default = tuner
+
+
+def select(
+    a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,
+    spec_text: str | None = None,
+) -> Impl:
+    """The implementation the process-wide autotuner picks for this call."""
+    tuner = _default if _default is not None else get_autotuner()
+    return tuner.select(a, b_kn, operands, spec, spec_text)

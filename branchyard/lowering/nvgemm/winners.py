@@ -1,0 +1,127 @@
+"""The winner database: which candidate won for each tuned problem, on disk
+so that later processes skip tuning.
+
+One JSON file per schema version, ``<cache_dir>/winners-v<SCHEMA_VERSION>.json``::
+
+    {"schema": 2, "entries": {key: {"winner", "timings", "excluded", "checksum", ...}}}
+
+so processes of different library versions sharing a cache folder keep
+their own entries instead of wiping each other's. Writes are atomic (temp
+file + ``os.replace``) under an inter-process lock, so concurrent writers
+lose no entries. Damage (an unreadable, truncated or garbage file, a
+directory in its place, an entry failing its checksum) is logged and treated
+as absent; the next :meth:`WinnerDB.put` rewrites the file. A folder that
+cannot be written is not an error either: the database warns once and keeps
+this process's winners in memory.
+
+    >>> import tempfile
+    >>> db = WinnerDB(tempfile.mkdtemp())
+    >>> db.put("k", {"winner": "aten:unfused"})
+    >>> db.get("k")["winner"]
+    'aten:unfused'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from branchyard.lowering.nvgemm.store import JsonDamage, atomic_write_text, cache_dir, file_lock, read_json
+
+__all__ = ["SCHEMA_VERSION", "WinnerDB"]
+
+logger = logging.getLogger("branchyard")
+
+#: Version of the entries' layout; each version has its own file.
+SCHEMA_VERSION = 2
+
+
+def _checksum(payload: Mapping[str, Any]) -> str:
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class WinnerDB:
+    """Winners by key, on disk in ``directory`` (default :func:`cache_dir`),
+    in memory where the disk cannot be written."""
+
+    FILE = f"winners-v{SCHEMA_VERSION}.json"
+    LOCK = f".winners-v{SCHEMA_VERSION}.lock"
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else cache_dir()
+        self.path = self.directory / self.FILE
+        self._memory: dict[str, dict[str, Any]] = {}
+        self._guard = threading.Lock()
+        #: Why the disk is not used (``None`` while it is).
+        self.disk_error: str | None = None
+
+    def _read(self) -> dict[str, Any]:
+        data = read_json(self.path)
+        if data is None:
+            return {}
+        if isinstance(data, JsonDamage):
+            logger.warning("nvgemm: winner database %s is damaged (%s); rebuilding it", self.path, data.reason)
+            return {}
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("entries"), dict):
+            logger.warning(
+                "nvgemm: winner database %s is not a schema-%d file; rebuilding it", self.path, SCHEMA_VERSION
+            )
+            return {}
+        return data["entries"]
+
+    @staticmethod
+    def _intact(entry: Any) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get("winner"), str):
+            return False
+        body = {k: v for k, v in entry.items() if k != "checksum"}
+        return entry.get("checksum") == _checksum(body)
+
+    def get(self, key: str, known: Sequence[str] | None = None) -> dict[str, Any] | None:
+        """The entry for ``key`` if present and intact (and, with ``known``, if
+        its winner is still one of the candidate names ``known``)."""
+        entry = self._read().get(key) if self.disk_error is None else None
+        if entry is not None and not self._intact(entry):
+            logger.warning("nvgemm: winner entry for %s is damaged; retuning", key)
+            entry = None
+        if entry is None:
+            with self._guard:
+                entry = self._memory.get(key)
+        if entry is None:
+            return None
+        if known is not None and entry.get("winner") not in known:
+            logger.info("nvgemm: stale winner %r for %s (no longer a candidate); retuning", entry.get("winner"), key)
+            return None
+        return entry
+
+    def put(self, key: str, entry: Mapping[str, Any]) -> None:
+        """Store ``entry`` under ``key`` (atomically, with its checksum); never
+        raises for an unwritable folder (see the module docstring)."""
+        body = dict(entry)
+        body.pop("checksum", None)
+        body["checksum"] = _checksum(body)
+        with self._guard:
+            self._memory[key] = body
+        if self.disk_error is not None:
+            return
+        try:
+            with file_lock(self.directory / self.LOCK):
+                entries = self._read()
+                entries[key] = body
+                atomic_write_text(self.path, json.dumps({"schema": SCHEMA_VERSION, "entries": entries},
+                                                        indent=1, sort_keys=True))
+        except OSError as exc:
+            self.disk_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("nvgemm: cannot write the winner database in %s (%s); this process keeps its "
+                           "winners in memory", self.directory, self.disk_error)
+
+    def entries(self) -> dict[str, Any]:
+        """Every stored entry (on disk, then this process's in-memory ones), keyed."""
+        out = self._read() if self.disk_error is None else {}
+        with self._guard:
+            return {**self._memory, **out}

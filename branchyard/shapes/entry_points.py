@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -538,26 +537,6 @@ def make_fx(
 # -- compile --------------------------------------------------------------------------
 
 
-class _DropMetricsJsonError(logging.Filter):
-    """torch 2.14.1 logs an ERROR with a traceback on every compile whose spec
-    holds derived SymInts: its compile-metrics logger JSON-encodes the dynamo
-    config, spec included. The compile itself is fine; the noise is dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Unexpected exception logging compilation metrics")
-
-
-@contextlib.contextmanager
-def _quiet_metrics_logging() -> Iterator[None]:
-    log = logging.getLogger("torch._dynamo.metrics_context")
-    flt = _DropMetricsJsonError()
-    log.addFilter(flt)
-    try:
-        yield
-    finally:
-        log.removeFilter(flt)
-
-
 class SpecCompiled:
     """``torch.compile`` d callable that checks each call's inputs against the spec first.
 
@@ -581,8 +560,7 @@ class SpecCompiled:
         if self.validate:
             bind(self.spec, self.fn, args, kwargs, sig=self._signature)
         try:
-            with _quiet_metrics_logging():
-                return self.compiled(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
         except Exception as err:
             if find_data_dependent_error(err) is None and "data-dependent" not in str(err):
                 raise

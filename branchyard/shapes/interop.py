@@ -70,6 +70,20 @@ def _variadic_names(fn: Any) -> dict[str, str]:
     return out
 
 
+class _DerivedSize(torch.SymInt):
+    """A derived dim of torch's native spec (``S + 1``), able to say itself in JSON.
+
+    Dynamo JSON-encodes its config, spec included, for its compile-metrics log
+    on every compile; torch's own ``IntVar`` has ``to_jsonable`` but the
+    ``SymInt`` its arithmetic builds does not, and torch 2.14.1 then logs a
+    22-line ``ERROR`` traceback per compile (``Object of type SymInt is not
+    JSON serializable``). Same node, same meaning to the compiler.
+    """
+
+    def to_jsonable(self) -> dict[str, Any]:
+        return {"type": "SymInt", "expr": str(self.node.expr)}
+
+
 def to_torch_spec(spec: ShapesSpec, fn: Any = None, *, by_position: bool = False) -> Any:
     """torch's native ``ShapesSpec`` for ``spec`` (``fn`` names ``*args``/``**kwargs`` params).
 
@@ -88,7 +102,10 @@ def to_torch_spec(spec: ShapesSpec, fn: Any = None, *, by_position: bool = False
     tvars = {name: native.ShapeVar(name, min=v.min, max=v.max) for name, v in spec.vars.items()}
 
     def dim(d: Any) -> Any:
-        return d.evaluate(tvars) if isinstance(d, DimExpr) else d
+        if not isinstance(d, DimExpr):
+            return d
+        value = d.evaluate(tvars)
+        return value if d.is_var else _DerivedSize(value.node)
 
     def entry(e: Entry | None) -> Any:
         if e is None:

@@ -1,7 +1,22 @@
 """``@dynamic_spec``: declare once which sizes are dynamic, on the function or module.
 
-The decorator attaches two things to the callable (for a module: to its
-``forward``):
+A decorated function comes back as a checking wrapper (``functools.wraps``);
+a decorated class or instance gets a new ``forward``. Before/after, as Python::
+
+    @dynamic_spec(spec)              # becomes
+    def f(x): ...                    def f(*args, **kwargs):       # a frame Dynamo runs, never traces
+                                         if not tracing: bind(spec, args, kwargs)   # SpecViolationError
+                                         return original_f(*args, **kwargs)        # the frame it compiles
+
+    dynamic_spec(spec)(module)       # module.forward(*args, **kwargs):
+                                     #     check as above, then forward_with_spec(forward, self, x, ...):
+                                     #     a frame with forward's own parameter names, compiled by Dynamo
+
+So torch's own ``torch.compile`` gets a spec violation as a
+:class:`~branchyard.errors.SpecViolationError` on any call, and compiles a
+frame whose parameter names are the spec's keys (a ``wrapper(*args,
+**kwargs)`` frame would match none of them, and recompile per size). The
+wrapper carries two attributes:
 
 * ``__branchyard_spec__``: the :class:`ShapesSpec`, read by
   :func:`branchyard.shapes.export` / ``compile`` / ``make_fx``;
@@ -28,6 +43,8 @@ signature when decorating, so a typo fails here, not at trace time.
 from __future__ import annotations
 
 import functools
+import inspect
+import linecache
 import types
 from typing import Any, Callable, TypeVar
 
@@ -36,7 +53,7 @@ import torch
 from branchyard.errors import ShapeSpecError
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, to_torch_spec
 from branchyard.shapes.spec import ShapesSpec
-from branchyard.shapes.validation import check_spec_matches_signature, signature_of
+from branchyard.shapes.validation import bind, check_spec_matches_signature, is_tracing, signature_of
 
 __all__ = ["dynamic_spec", "get_spec", "SPEC_ATTR", "NATIVE_SPEC_ATTR"]
 
@@ -47,7 +64,7 @@ NATIVE_SPEC_ATTR = "_dynamic_spec"
 T = TypeVar("T")
 
 
-def _attach(fn: Callable[..., Any], spec: ShapesSpec, owner: Any) -> None:
+def _check_attachable(fn: Callable[..., Any], spec: ShapesSpec) -> None:
     if getattr(fn, SPEC_ATTR, None) is not None or hasattr(fn, NATIVE_SPEC_ATTR):
         raise ShapeSpecError(
             "a dynamic spec is already attached",
@@ -55,47 +72,142 @@ def _attach(fn: Callable[..., Any], spec: ShapesSpec, owner: Any) -> None:
             hint="merge the declarations into one spec",
         )
     check_spec_matches_signature(spec, signature_of(fn), where=getattr(fn, "__qualname__", repr(fn)))
+
+
+def _set_spec(fn: Callable[..., Any], spec: ShapesSpec, owner: Any) -> None:
     setattr(fn, SPEC_ATTR, spec)
     if HAS_NATIVE_SPEC:
         setattr(fn, NATIVE_SPEC_ATTR, to_torch_spec(spec, owner))
 
 
-def _forwarding(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """A fresh function object standing for ``forward``, so attributes land on it alone."""
+@torch._dynamo.disable  # the check runs in Python, never inside a compiled graph
+def _check_call(spec: ShapesSpec, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
+    if not is_tracing(args, kwargs):
+        bind(spec, None, args, kwargs, sig=sig)
 
-    @functools.wraps(forward)
+
+def _skip_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo runs ``fn``'s own frame as Python and compiles the frames it calls
+    (what ``torch.compiler.disable(recursive=False)`` does, without a wrapper
+    that refuses torch.export): so the spec check runs before Dynamo
+    fakifies, and guards, the inputs."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+    return fn
+
+
+def _checked_function(fn: Callable[..., Any], spec: ShapesSpec) -> Callable[..., Any]:
+    """``fn`` behind a check of its inputs against ``spec`` on every call not being traced."""
+    sig = signature_of(fn)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # inlined by Dynamo into a caller's graph: no check
+            _check_call(spec, sig, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return _skip_frame(checked)
+
+
+def _named_frame(func: types.FunctionType) -> Callable[..., Any]:
+    """``frame(func, <func's parameters>)`` calling ``func``: a function of its
+    own whose parameters carry ``func``'s names, for Dynamo to compile.
+
+    torch looks the spec up by the names of the compiled frame's locals, and
+    torch.nn's own forwards are frames Dynamo's trace rules skip; a frame with
+    a code object per decoration also keeps one compiled-code cache (and one
+    recompile limit) per decorated module.
+    """
+    sig = inspect.signature(func)
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    params, call = ["_spec_target_"], ["_spec_target_"]
+    star_done = False
+    for n, p in sig.parameters.items():
+        d = f"=_defaults_[{n!r}]" if n in defaults else ""
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            params.append(n + d)
+            call.append(n)
+        elif p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            params.append(n + d)
+            call.append(n)
+        elif p.kind is inspect.Parameter.VAR_POSITIONAL:
+            params.append("*" + n)
+            call.append("*" + n)
+            star_done = True
+        elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+            if not star_done:
+                params.append("*")
+                star_done = True
+            params.append(n + d)
+            call.append(f"{n}={n}")
+        else:
+            params.append("**" + n)
+            call.append("**" + n)
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in sig.parameters.values()):
+        last = max(i for i, p in enumerate(sig.parameters.values()) if p.kind is inspect.Parameter.POSITIONAL_ONLY)
+        params.insert(last + 2, "/")
+    name = f"{func.__name__}_with_spec"
+    filename = f"<dynamic_spec: {func.__qualname__}>"
+    source = f"def {name}({', '.join(params)}):\n    return {call[0]}({', '.join(call[1:])})\n"
+    namespace: dict[str, Any] = {"_defaults_": defaults}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 -- names come from a signature
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    return namespace[name]
+
+
+def _module_forward(forward: Callable[..., Any], spec: ShapesSpec) -> Callable[..., Any]:
+    """A ``forward`` for a decorated module: check the inputs, then call
+    ``forward`` through the frame Dynamo compiles (:func:`_named_frame`)."""
+    func = getattr(forward, "__func__", forward)
+    frame = _named_frame(func)
+    sig = signature_of(func)
+    sig = sig.replace(parameters=list(sig.parameters.values())[1:])  # without self
+
+    @functools.wraps(func)
     def forward_with_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return forward(self, *args, **kwargs)
+        if not torch.compiler.is_compiling():
+            _check_call(spec, sig, args, kwargs)
+        return frame(func, self, *args, **kwargs)
 
-    # functools.wraps copies __dict__, i.e. any spec already on ``forward``
-    for attr in (SPEC_ATTR, NATIVE_SPEC_ATTR):
+    for attr in (SPEC_ATTR, NATIVE_SPEC_ATTR):  # functools.wraps copies __dict__
         forward_with_spec.__dict__.pop(attr, None)
-    return forward_with_spec
+    return _skip_frame(forward_with_spec)
 
 
 def dynamic_spec(spec: ShapesSpec | dict[str, Any]) -> Callable[[T], T]:
     """Attach ``spec`` to a function, an ``nn.Module`` subclass, or an ``nn.Module`` instance.
 
     ``spec`` is a :class:`ShapesSpec` or the dict it is built from. Returns a
-    decorator that returns its argument (the same function, class or
-    instance) with the spec attached. Decorating ``forward`` inside a class
-    body works too (spec keys are ``forward``'s parameters, without ``self``).
+    decorator. A function comes back wrapped (``functools.wraps``: same name,
+    signature and ``__wrapped__``); a class or instance comes back itself, with
+    a new ``forward``. Decorating ``forward`` inside a class body works too
+    (spec keys are ``forward``'s parameters, without ``self``).
+
+    Every call that is not being traced checks its inputs first: an input
+    outside the spec raises :class:`~branchyard.errors.SpecViolationError`
+    naming the argument, dim and ShapeVar -- eagerly, and through torch's own
+    ``torch.compile`` on the first call as on any later one.
     """
     spec = spec if isinstance(spec, ShapesSpec) else ShapesSpec(spec)
 
     def decorate(obj: T) -> T:
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-            forward = obj.__dict__.get("forward")
-            if forward is None:  # inherited: give this class its own forward to carry the spec
-                forward = _forwarding(obj.forward)
-                obj.forward = forward  # type: ignore[method-assign]
-            _attach(forward, spec, obj)
+            forward = obj.__dict__.get("forward", obj.forward)  # inherited: this class gets its own
+            _check_attachable(forward, spec)
+            _require_python_function(forward)
+            new = _module_forward(forward, spec)
+            _set_spec(new, spec, new)
+            obj.forward = new  # type: ignore[method-assign]
             return obj
         if isinstance(obj, torch.nn.Module):
             # Only this instance: bind a fresh forward to it.
-            forward = _forwarding(type(obj).forward)
-            _attach(forward, spec, obj)
-            object.__setattr__(obj, "forward", types.MethodType(forward, obj))
+            forward = type(obj).forward
+            _check_attachable(obj.forward, spec)
+            _require_python_function(forward)
+            new = _module_forward(forward, spec)
+            _set_spec(new, spec, new)
+            object.__setattr__(obj, "forward", types.MethodType(new, obj))
             return obj
         if isinstance(obj, types.MethodType):
             raise ShapeSpecError(
@@ -104,10 +216,22 @@ def dynamic_spec(spec: ShapesSpec | dict[str, Any]) -> Callable[[T], T]:
             )
         if not callable(obj):
             raise ShapeSpecError(f"@dynamic_spec decorates a function or nn.Module, got {type(obj).__name__}")
-        _attach(obj, spec, obj)  # type: ignore[arg-type]
-        return obj
+        _check_attachable(obj, spec)  # type: ignore[arg-type]
+        checked = _checked_function(obj, spec)  # type: ignore[arg-type]
+        _set_spec(checked, spec, obj)
+        return checked  # type: ignore[return-value]
 
     return decorate
+
+
+def _require_python_function(forward: Any) -> None:
+    func = getattr(forward, "__func__", forward)
+    if not isinstance(func, types.FunctionType):
+        raise ShapeSpecError(
+            f"cannot attach a spec to a forward of type {type(func).__name__}",
+            where=getattr(func, "__qualname__", repr(func)),
+            hint="define forward as a Python method",
+        )
 
 
 def get_spec(obj: Any) -> ShapesSpec | None:

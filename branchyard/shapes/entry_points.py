@@ -46,8 +46,9 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 
-from branchyard.errors import ShapeSpecError
+from branchyard.errors import ShapeSpecError, SpecViolationError
 from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
 from branchyard.shapes.graph_checks import (
@@ -61,7 +62,7 @@ from branchyard.shapes.interop import HAS_NATIVE_SPEC, compiles_through_wrapper,
 from branchyard.shapes.shape_var import DimExpr
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec, TensorEntry
 from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
-from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, signature_of
+from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, is_tracing, signature_of
 
 __all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "ShapesFallbackWarning", "resolve_spec"]
 
@@ -135,6 +136,7 @@ class _FunctionModule(torch.nn.Module):
 
 
 def _referenced_modules(fn: Callable[..., Any]) -> list[tuple[str, torch.nn.Module]]:
+    fn = inspect.unwrap(fn)  # @dynamic_spec's checking wrapper closes over the function, not its modules
     code = getattr(fn, "__code__", None)
     if code is None:
         return []
@@ -504,22 +506,12 @@ def make_fx(
             names = list(fake.arguments)
 
             def call(*flat: Any) -> Any:
-                a: list[Any] = []
-                k: dict[str, Any] = {}
-                for n, v in zip(names, flat):
-                    kind = sig.parameters[n].kind
-                    if kind is inspect.Parameter.VAR_POSITIONAL:
-                        a.extend(v)
-                    elif kind is inspect.Parameter.VAR_KEYWORD:
-                        k.update(v)
-                    elif kind is inspect.Parameter.KEYWORD_ONLY:
-                        k[n] = v
-                    else:
-                        a.append(v)
+                a, k = _call_arguments(sig, names, flat)
                 return fn(*a, **k)
 
             target, call_args = call, [fake.arguments[n] for n in names]
         else:
+            names = list(sig.parameters)[: len(inputs.args)]
             target, call_args = fn, list(inputs.args)
         with _without_native_spec(fn):
             try:
@@ -532,6 +524,23 @@ def make_fx(
         return gm
 
     return trace
+
+
+def _call_arguments(sig: inspect.Signature, names: list[str], flat: Any) -> tuple[list[Any], dict[str, Any]]:
+    """``fn``'s ``(args, kwargs)`` from one value per parameter in ``names`` (``*args`` a tuple, ``**kwargs`` a dict)."""
+    a: list[Any] = []
+    k: dict[str, Any] = {}
+    for n, v in zip(names, flat):
+        kind = sig.parameters[n].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            a.extend(v)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            k.update(v)
+        elif kind is inspect.Parameter.KEYWORD_ONLY:
+            k[n] = v
+        else:
+            a.append(v)
+    return a, k
 
 
 # -- compile --------------------------------------------------------------------------

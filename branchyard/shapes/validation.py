@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from torch.utils import _pytree as pytree
 
 from branchyard.errors import ShapeSpecError, SpecViolationError
 from branchyard.shapes.shape_var import DimExpr, ShapeVar
 from branchyard.shapes.spec import Entry, MapEntry, ScalarEntry, SeqEntry, ShapesSpec, TensorEntry
 
-__all__ = ["Binding", "Leaf", "bind", "signature_of", "check_spec_matches_signature"]
+__all__ = ["Binding", "Leaf", "bind", "signature_of", "check_spec_matches_signature", "is_tracing"]
 
 
 @dataclass
@@ -73,6 +74,21 @@ class Binding:
     bound_at: dict[str, str] = field(default_factory=dict)
     #: for each var, the leaf that bound it (a tensor leaf whenever the var appears bare in one)
     anchor: dict[str, Leaf] = field(default_factory=dict)
+
+
+def is_tracing(args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether a call is being traced (Dynamo, export, make_fx, fx): the traced
+    program checks the spec itself, and symbolic sizes cannot be read as ints."""
+    if torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for leaf in pytree.tree_leaves((args, kwargs or {})):
+        if isinstance(leaf, (torch.SymInt, torch.fx.Proxy, FakeTensor)):
+            return True
+        if isinstance(leaf, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in leaf.shape):
+            return True
+    return False
 
 
 def signature_of(fn: Any) -> inspect.Signature:

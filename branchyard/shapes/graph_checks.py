@@ -213,10 +213,13 @@ def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -
             return int(expr)
         if isinstance(expr, sympy.Symbol):
             return syms[expr]
-        op = {sympy.Add: operator.add, sympy.Mul: operator.mul}.get(type(expr))
-        if op is None:
-            raise ShapeSpecError(f"cannot check dim {expr} in the graph (only + and * of vars)")
-        args = [build(a, syms) for a in expr.args]
+        if isinstance(expr, sympy.Pow) and isinstance(expr.exp, sympy.Integer) and expr.exp > 0:
+            op, args = operator.mul, [build(expr.base, syms)] * int(expr.exp)  # b**2 is b * b
+        else:
+            op = {sympy.Add: operator.add, sympy.Mul: operator.mul}.get(type(expr))
+            if op is None:
+                raise ShapeSpecError(f"cannot check dim {expr} in the graph (only +, - and * of vars)")
+            args = [build(a, syms) for a in expr.args]
         out = args[0]
         for a in args[1:]:
             out = emit(op, out, a) if isinstance(out, torch.fx.Node) or isinstance(a, torch.fx.Node) else out + a  # type: ignore[operator]

@@ -138,7 +138,8 @@ class DimExpr:
 class ShapeVar(DimExpr):
     """A named dynamic size with an inclusive range and an optional divisor.
 
-    ``min``/``max`` bound the size (``max=None``: unbounded); ``multiple_of``
+    ``min``/``max`` bound the size (``max=None``: unbounded; ``min=None`` is
+    ``min=0``, sizes being never negative); ``multiple_of`` (``None`` is 1)
     says every size is divisible by it, a fact the compiler gets (e.g. for
     tensor-core alignment). ``min`` is rounded up to the first multiple. Two
     ShapeVars with the same name are the same var only if they agree on the
@@ -147,7 +148,10 @@ class ShapeVar(DimExpr):
 
     __slots__ = ("name", "min", "max", "multiple_of", "symbol")
 
-    def __init__(self, name: str, *, min: int = 0, max: int | None = None, multiple_of: int = 1):
+    def __init__(self, name: str, *, min: int | None = 0, max: int | None = None, multiple_of: int | None = 1):
+        # None means "no bound" for max, and the default for min (0) and multiple_of (1)
+        min = 0 if min is None else min
+        multiple_of = 1 if multiple_of is None else multiple_of
         if not isinstance(name, str) or not name.isidentifier():
             raise ShapeSpecError(f"ShapeVar name must be a Python identifier, got {name!r}")
         for label, value in (("min", min), ("max", max), ("multiple_of", multiple_of)):

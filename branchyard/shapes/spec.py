@@ -9,13 +9,19 @@ shapes::
      "cache": {"k": (batch, None)},   # dict argument: entries per key
      "args": [(batch, 8)]}       # *args: entries per position
 
-A dim is an ``int`` (static, must match), ``None`` (static, taken from the
-example input) or a :class:`~branchyard.shapes.ShapeVar` / expression (dynamic,
-an unbacked symbolic size when traced). Parameters not named are static.
+A dim is an ``int >= 0`` (static, must match), ``None`` (static, taken from
+the example input) or a :class:`~branchyard.shapes.ShapeVar` / expression
+(dynamic, an unbacked symbolic size when traced). A tuple or list of dims is
+a tensor, also when every dim is ``None`` (a tensor of that rank, all static)
+and when it is empty (a 0-dim tensor). Parameters not named are static.
 
 Rules checked when the spec is built (a :class:`~branchyard.errors.ShapeSpecError`
 otherwise): vars that share a name agree on their range; every var used in a
-derived dim also appears bare somewhere (that slot binds its value).
+derived dim also appears bare somewhere (that slot binds its value); a derived
+dim is a sum of products of vars with positive coefficients plus or minus an
+int (``2 * b``, ``s - 1``, ``b * h``, ``b * b``) and depends on at least one
+var (``20 - b`` and ``0 * b`` are refused). Where such a dim would come out
+negative (``s - 1`` at ``s = 0``), no input can have it, and validation says so.
 
     >>> from branchyard.shapes import ShapeVar, ShapesSpec
     >>> batch = ShapeVar("batch", min=2, max=128)
@@ -115,7 +121,7 @@ def make_entry(value: Any, *, where: str) -> Entry | None:
     if isinstance(value, (tuple, list)):
         # A sequence of sizes is a tensor shape; a sequence holding containers
         # is a list argument with one entry per position.
-        if all(_is_dim(v) for v in value) and any(v is not None for v in value):
+        if all(_is_dim(v) for v in value):  # () is a 0-dim tensor, (None, None) a static 2-dim one
             return TensorEntry(tuple(value))
         return SeqEntry(tuple(make_entry(v, where=f"{where}[{i}]") for i, v in enumerate(value)))
     if isinstance(value, Mapping):
@@ -129,6 +135,27 @@ def make_entry(value: Any, *, where: str) -> Entry | None:
         hint="use a tuple of sizes for a tensor, a ShapeVar/expression/int for an int argument, "
         "a dict or list for containers, None for static",
     )
+
+
+def _check_dim(dim: Dim, where: str) -> None:
+    """A static size is never negative, and a derived dim grows with its vars."""
+    if isinstance(dim, int) and dim < 0:
+        raise ShapeSpecError(f"size {dim} is negative", where=where, hint="a static dim is an int >= 0, or None")
+    if not isinstance(dim, DimExpr) or dim.is_var:
+        return
+    if not dim.vars:
+        raise ShapeSpecError(
+            f"the derived dim is the constant {dim}: it depends on no ShapeVar", where=where, hint=f"write the int {dim}"
+        )
+    poly = sympy.Poly(dim.expr, *(v.symbol for v in dim.vars.values()))
+    shrinking = [m for m, c in poly.terms() if any(m) and c < 0]
+    if shrinking:
+        raise ShapeSpecError(
+            f"{dim} shrinks as a ShapeVar grows; a derived dim is a sum of products of ShapeVars "
+            "with positive coefficients, plus or minus an int",
+            where=where,
+            hint="declare this dim as a ShapeVar of its own with the range it takes",
+        )
 
 
 def iter_dims(entry: Entry | None, path: str) -> Iterator[tuple[str, Dim]]:
@@ -176,6 +203,7 @@ class ShapesSpec:
         self.vars: dict[str, ShapeVar] = {}
         bare: set[str] = set()
         for path, dim in self.iter_dims():
+            _check_dim(dim, path)
             if isinstance(dim, DimExpr):
                 self.vars = _merge_vars(self.vars, dim.vars)
                 if dim.is_var:

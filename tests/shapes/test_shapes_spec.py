@@ -8,6 +8,7 @@ from torch.export import Dim
 
 from branchyard.errors import ShapeSpecError, SpecViolationError
 from branchyard.shapes import DimExpr, ShapesSpec, ShapeVar, dynamic_spec, get_spec
+from branchyard.shapes.spec import TensorEntry
 
 
 # -- ShapeVar and derived dims ----------------------------------------------------------
@@ -240,3 +241,44 @@ def test_validate_names_argument_dim_var_range_and_value():
         spec.validate(f, torch.ones(4, 767), torch.ones(4, 768))
     with pytest.raises(SpecViolationError, match=r"argument 'x': spec declares 2 dims \(batch, 768\), got a tensor with 1 dims"):
         spec.validate(f, torch.ones(4), torch.ones(4, 768))
+
+
+# -- spec edges: each decided, documented in docs/shapes.md ----------------------------------------
+
+
+def test_shapevar_none_means_the_default_bound():
+    assert ShapeVar("b", min=None) == ShapeVar("b", min=0)
+    assert ShapeVar("b", multiple_of=None) == ShapeVar("b")
+    assert ShapeVar("b", min=None, max=None, multiple_of=None).describe_range() == "0 <= b <= inf"
+
+
+@pytest.mark.parametrize("dims", [(None, None), (), [None]])
+def test_a_tuple_of_only_none_or_nothing_is_a_tensor_of_that_rank(dims):
+    spec = ShapesSpec({"x": dims})
+    assert spec.params["x"] == TensorEntry(tuple(dims))
+
+    def f(x):
+        return x
+
+    assert spec.validate(f, torch.ones([3] * len(dims))) == {}
+    with pytest.raises(SpecViolationError, match=rf"spec declares {len(dims)} dims"):
+        spec.validate(f, torch.ones(2, 2, 2))
+    assert ShapesSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    "dim, message",
+    [
+        (-8, r"x dim 1: size -8 is negative"),
+        ("0*b", r"x dim 1: the derived dim is the constant 0: it depends on no ShapeVar \(write the int 0\)"),
+        ("b - b", r"the derived dim is the constant 0"),
+        ("20 - b", r"x dim 1: 20 - b shrinks as a ShapeVar grows"),
+        ("b * (3 - h)", r"shrinks as a ShapeVar grows"),
+    ],
+)
+def test_negative_constant_and_shrinking_dims_are_refused(dim, message):
+    b = ShapeVar("b", min=2, max=16)
+    h = ShapeVar("h", max=2)
+    value = eval(dim, {"b": b, "h": h}) if isinstance(dim, str) else dim
+    with pytest.raises(ShapeSpecError, match=message):
+        ShapesSpec({"x": (b, value), "y": (h,)})

@@ -521,6 +521,7 @@ def make_fx(
                 raise
         insert_runtime_asserts(gm, inputs.shape_env, inputs.var_of_symbol())
         gm.meta["branchyard_shape_symbols"] = {n: s.node.expr for n, s in inputs.symbols.items()}
+        gm.register_forward_pre_hook(_InputCheck(spec, sig, names, call_args))
         return gm
 
     return trace
@@ -541,6 +542,55 @@ def _call_arguments(sig: inspect.Signature, names: list[str], flat: Any) -> tupl
         else:
             a.append(v)
     return a, k
+
+
+class _InputCheck:
+    """A forward pre-hook on the graph :func:`make_fx` returns: each call's inputs
+    are checked against the spec, and every tensor dim the graph was traced
+    static (an int or ``None`` in the spec, or a parameter the spec does not
+    name) against the size it was traced with -- the graph would otherwise
+    run and return a wrong-shaped result."""
+
+    def __init__(self, spec: ShapesSpec, sig: inspect.Signature, names: list[str], traced: list[Any]):
+        self.spec, self.sig, self.names = spec, sig, names
+        self.static: list[tuple[str, tuple[int | None, ...]]] = []
+        for name, value in zip(names, traced):
+            for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    dims = tuple(None if isinstance(d, torch.SymInt) else int(d) for d in leaf.shape)
+                    self.static.append((name + pytree.keystr(path), dims))
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        if is_tracing(args):
+            return
+        if len(args) != len(self.names):
+            raise SpecViolationError(
+                f"the graph takes {len(self.names)} inputs ({', '.join(self.names)}), got {len(args)}",
+                hint="pass every argument positionally, in the order of the traced function's parameters",
+            )
+        a, k = _call_arguments(self.sig, self.names, args)
+        bind(self.spec, None, tuple(a), k, sig=self.sig)
+        tensors = [
+            leaf
+            for name, value in zip(self.names, args)
+            for _, leaf in pytree.tree_flatten_with_path(value)[0]
+            if isinstance(leaf, torch.Tensor)
+        ]
+        if len(tensors) != len(self.static):
+            raise SpecViolationError(f"the graph was traced with {len(self.static)} tensors, got {len(tensors)}")
+        for (path, dims), t in zip(self.static, tensors):
+            if t.dim() != len(dims):
+                raise SpecViolationError(
+                    f"got a tensor with {t.dim()} dims {tuple(t.shape)}, the graph was traced with {len(dims)}",
+                    where=f"argument {path!r}",
+                )
+            for i, (want, got) in enumerate(zip(dims, t.shape)):
+                if want is not None and want != got:
+                    raise SpecViolationError(
+                        f"{path} dim {i} has size {got}, but the graph was traced with the static size {want}",
+                        where=f"argument {path!r}",
+                        hint="declare the dim with a ShapeVar in the spec to make it dynamic, or trace again",
+                    )
 
 
 # -- compile --------------------------------------------------------------------------

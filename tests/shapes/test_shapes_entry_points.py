@@ -195,10 +195,14 @@ def test_shared_var_is_one_symbol_in_make_fx_and_checks_run():
     gm = shapes.make_fx(add3, spec=SHARED)(*ARGS3)
     assert len(input_symbols(gm)) == 1 and n_asserts(gm) == 4
     torch.testing.assert_close(gm(*ARGS3), add3(*ARGS3))
-    with pytest.raises(RuntimeError, match="input z_1 dim 0 must equal batch"):
+    # calling the graph checks the inputs against the spec first...
+    with pytest.raises(SpecViolationError, match="z dim 0 has size 6, but ShapeVar 'batch' is 4 from x dim 0"):
         gm(torch.ones(4, 4), torch.ones(4, 4), torch.ones(6, 4))
+    # ...and the graph's own asserts stay, for whoever runs its forward without the hook
+    with pytest.raises(RuntimeError, match="input z_1 dim 0 must equal batch"):
+        gm.forward(torch.ones(4, 4), torch.ones(4, 4), torch.ones(6, 4))
     with pytest.raises(RuntimeError, match="u0 <= 128"):
-        gm(torch.ones(200, 4), torch.ones(200, 4), torch.ones(200, 4))
+        gm.forward(torch.ones(200, 4), torch.ones(200, 4), torch.ones(200, 4))
 
 
 def test_shared_var_compiles_once():
@@ -252,8 +256,10 @@ def test_derived_dims_in_make_fx():
     assert "branchyard.shapes: input n_1 must equal seq - 1" in assert_messages(gm)
     a = derived_args(6, 2, 32)
     check_outputs(gm(*a), a)
-    with pytest.raises(RuntimeError, match="input n_1 must equal seq - 1"):
+    with pytest.raises(SpecViolationError, match=r"n has size 30, but the spec says seq - 1 = 31"):
         gm(*derived_args(6, 2, 32)[:4], 30)
+    with pytest.raises(RuntimeError, match="input n_1 must equal seq - 1"):
+        gm.forward(*derived_args(6, 2, 32)[:4], 30)  # the graph's own assert, without the input check
 
 
 def test_derived_dims_compile_once_across_sizes():
@@ -779,3 +785,65 @@ def test_strict_export_matches_symbols_by_position_when_an_int_comes_first():
 def test_compile_leaves_mode_with_options_to_torchs_own_error():
     with pytest.raises(RuntimeError, match="Either mode or options can be specified"):
         shapes.compile(add3, spec=SHARED, backend="inductor", mode="default", options={"max_autotune": False})
+
+
+# -- products of vars, and the graph make_fx returns checks its inputs ------------------------------
+
+
+def test_products_of_vars_including_a_square_are_dims_every_entry_point_checks():
+    b = ShapeVar("b", min=2, max=16)
+    h = ShapeVar("h", min=1, max=4)
+    spec = {"x": (b, h), "y": (b * b,), "z": (b * h + 1,)}
+
+    def f(x, y, z):
+        return x.sum() + y.sum() + z.sum()
+
+    args = (torch.ones(3, 2), torch.ones(9), torch.ones(7))
+    ep = shapes.export(f, args, spec=spec)
+    gm = shapes.make_fx(f, spec=spec)(*args)
+    for n in (2, 5):
+        good = (torch.ones(n, 2), torch.ones(n * n), torch.ones(2 * n + 1))
+        torch.testing.assert_close(ep.module()(*good), f(*good))
+        torch.testing.assert_close(gm(*good), f(*good))
+    with pytest.raises(RuntimeError, match=r"input y dim 0 must equal b\*\*2"):
+        ep.module()(torch.ones(3, 2), torch.ones(8), torch.ones(7))
+    with pytest.raises(SpecViolationError, match=r"y dim 0 has size 8, but the spec says b\*\*2 = 9"):
+        gm(torch.ones(3, 2), torch.ones(8), torch.ones(7))
+
+
+def test_make_fx_graph_refuses_a_wrong_static_dim_instead_of_returning_a_wrong_shape():
+    """Every tensor dim traced static -- an int in the spec, None in the spec, or a
+    parameter the spec does not name -- is checked when the graph is called."""
+    b = ShapeVar("b", min=2, max=16)
+
+    def f(x, y, z):
+        return x + 1, y * 2, z.sum(0)
+
+    gm = shapes.make_fx(f, spec={"x": (b, 8), "y": (b, None)})(torch.ones(3, 8), torch.ones(3, 5), torch.ones(2, 4))
+    out = gm(torch.ones(4, 8), torch.ones(4, 5), torch.ones(2, 4))
+    assert [tuple(t.shape) for t in out] == [(4, 8), (4, 5), (4,)]
+    cases = [
+        ((torch.ones(4, 9), torch.ones(4, 5), torch.ones(2, 4)), r"argument 'x': x dim 1 has size 9, the spec fixes it at 8"),
+        ((torch.ones(4, 8), torch.ones(4, 6), torch.ones(2, 4)), r"argument 'y': y dim 1 has size 6, but the graph was traced with the static size 5"),
+        ((torch.ones(4, 8), torch.ones(4, 5), torch.ones(3, 4)), r"argument 'z': z dim 0 has size 3, but the graph was traced with the static size 2"),
+        ((torch.ones(4, 8), torch.ones(4, 5), torch.ones(2, 4, 1)), r"argument 'z': got a tensor with 3 dims \(2, 4, 1\), the graph was traced with 2"),
+        ((torch.ones(4, 8), torch.ones(4, 5)), r"the graph takes 3 inputs \(x, y, z\), got 2"),
+    ]
+    for args, message in cases:
+        with pytest.raises(SpecViolationError, match=message):
+            gm(*args)
+
+
+def test_make_fx_graph_checks_varargs_keyword_only_and_kwargs_inputs():
+    b = ShapeVar("b", min=2, max=16)
+
+    def g(x, *rest, k, **kw):
+        return x + rest[0] + k + kw["m"]
+
+    spec = {"x": (b, 8), "rest": [(b, 8)], "kw": {"m": (b, 8)}}
+    gm = shapes.make_fx(g, spec=spec)(torch.ones(3, 8), torch.ones(3, 8), k=torch.ones(8), m=torch.ones(3, 8))
+    assert gm(torch.ones(5, 8), (torch.ones(5, 8),), torch.ones(8), {"m": torch.ones(5, 8)}).shape == (5, 8)
+    with pytest.raises(SpecViolationError, match=r"argument 'k': k dim 0 has size 7, but the graph was traced with the static size 8"):
+        gm(torch.ones(5, 8), (torch.ones(5, 8),), torch.ones(7), {"m": torch.ones(5, 8)})
+    with pytest.raises(SpecViolationError, match=r"kw\['m'\] dim 0 has size 6, but ShapeVar 'b' is 5 from x dim 0"):
+        gm(torch.ones(5, 8), (torch.ones(5, 8),), torch.ones(8), {"m": torch.ones(6, 8)})

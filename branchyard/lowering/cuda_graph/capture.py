@@ -440,7 +440,8 @@ class CudaGraphModule(torch.nn.Module):
         if reason:
             return self._fall_back(reason)
         try:
-            self._capture(inputs, if_else)
+            with torch.no_grad():  # a graph replays inference: out= forms and buffers take no autograd
+                self._capture(inputs, if_else)
         except Exception as exc:  # the environment refused; the program itself validated
             self._fall_back(f"capture failed: {type(exc).__name__}: {exc}")
 

@@ -529,9 +529,11 @@ class ConditionalBuilder:
                 yield
         except BaseException:
             self._depth -= 1
-            # End the body's capture so the stream is usable again, but let the body's own error
-            # propagate (an invalidated capture makes this end fail too; guarded_capture cleans up).
-            d.cuStreamEndCapture(stream)
+            # End an active body capture so the stream is usable again; leave an invalidated one
+            # to guarded_capture, which retires the stream (ending it can crash the driver).
+            from branchyard.lowering.cuda_graph.guarded_capture import end_stray_capture
+
+            end_stray_capture(side)
             raise
         self._depth -= 1
         _check(d.cuStreamEndCapture(stream), "cuStreamEndCapture (body graph)")

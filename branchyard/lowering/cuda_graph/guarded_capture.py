@@ -14,9 +14,10 @@ Two things break a process after a failed capture, and this module owns both:
   capture), torch's ``CUDAGraph.capture_end`` raises before it tells the
   caching allocator to stop routing the stream's allocations to the graph's
   pool, and the pool is never released. :func:`guarded_capture` ends every
-  capture still running on our streams, ends allocation to the pool, releases
-  the pool once, clears the runtime's last error and synchronizes, then
-  re-raises the original error.
+  active capture left on our streams (a body stream left in an *invalidated*
+  capture is retired instead: ending it can crash the driver once its parent
+  graph is gone), ends allocation to the pool, releases the pool once, clears
+  the runtime's last error and synchronizes, then re-raises the original error.
 
 Semantics, as Python::
 
@@ -37,12 +38,13 @@ import torch
 
 from branchyard.errors import LoweringError
 
-__all__ = ["dedicated_streams", "guarded_capture", "stream_is_capturing", "end_stray_capture"]
+__all__ = ["dedicated_streams", "guarded_capture", "capture_status", "retire_stream", "stream_is_capturing", "end_stray_capture"]
 
 logger = logging.getLogger("branchyard")
 
-#: device index -> streams created by :func:`dedicated_streams` (index 0 is the capture stream).
-_STREAMS: dict[int, list[torch.cuda.ExternalStream]] = {}
+#: device index -> streams created by :func:`dedicated_streams` (index 0 is the capture stream);
+#: None where a stream was retired (left in an invalidated capture) and waits to be replaced.
+_STREAMS: dict[int, list[torch.cuda.ExternalStream | None]] = {}
 
 
 def dedicated_streams(device: torch.device, count: int) -> list[torch.cuda.ExternalStream]:
@@ -56,34 +58,69 @@ def dedicated_streams(device: torch.device, count: int) -> list[torch.cuda.Exter
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     streams = _STREAMS.setdefault(index, [])
+    if len(streams) >= count and all(s is not None for s in streams[:count]):
+        return list(streams[:count])  # type: ignore[arg-type]
+
+    def create() -> torch.cuda.ExternalStream:
+        status, raw = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
+        if int(status) != 0:
+            raise LoweringError(f"cuStreamCreate failed with {getattr(status, 'name', status)}", where="cuda-bindings")
+        return torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", index))
+
     with torch.cuda.device(index):
         torch.cuda.current_stream().synchronize()  # makes torch's primary context current for the driver
+        streams[:] = [s if s is not None else create() for s in streams]
         while len(streams) < count:
-            status, raw = driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value)
-            if int(status) != 0:
-                raise LoweringError(f"cuStreamCreate failed with {getattr(status, 'name', status)}", where="cuda-bindings")
-            streams.append(torch.cuda.ExternalStream(int(raw), device=torch.device("cuda", index)))
-    return streams[:count]
+            streams.append(create())
+    return list(streams[:count])  # type: ignore[arg-type]
+
+
+def capture_status(stream: torch.cuda.Stream) -> str:
+    """``"none"``, ``"active"`` or ``"invalidated"``: the capture state of ``stream``."""
+    from cuda.bindings import driver
+
+    status, capturing = driver.cuStreamIsCapturing(driver.CUstream(stream.cuda_stream))
+    if int(status) != 0:
+        return "invalidated"
+    return {
+        driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE: "none",
+        driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE: "active",
+    }.get(capturing, "invalidated")
+
+
+def retire_stream(stream: torch.cuda.Stream) -> None:
+    """Never use ``stream`` again: it is left in an invalidated capture into a graph that may be gone.
+
+    Ending such a capture-to-graph (``cuStreamEndCapture``) can crash the driver once the
+    parent capture was invalidated, so the stream is abandoned and replaced on next use.
+    """
+    for streams in _STREAMS.values():
+        for i, s in enumerate(streams):
+            if s is not None and s.cuda_stream == stream.cuda_stream:
+                streams[i] = None
 
 
 def stream_is_capturing(stream: torch.cuda.Stream) -> bool:
     """Whether ``stream`` is in an active or invalidated capture."""
+    return capture_status(stream) != "none"
+
+
+def end_stray_capture(stream: torch.cuda.Stream, *, owns_graph: bool = False) -> bool:
+    """End an active capture left on ``stream`` (retire the stream if it is invalidated); True if there was one.
+
+    ``owns_graph``: the capture made its own graph (``cuStreamBeginCapture``), destroy it;
+    a body capture (``cuStreamBeginCaptureToGraph``) fills a graph its conditional node owns.
+    """
     from cuda.bindings import driver
 
-    status, capturing = driver.cuStreamIsCapturing(driver.CUstream(stream.cuda_stream))
-    if int(status) != 0:  # the query itself fails on an invalidated capture of some drivers
-        return True
-    return capturing != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-
-
-def end_stray_capture(stream: torch.cuda.Stream) -> bool:
-    """End a capture left running on ``stream``; True if there was one."""
-    from cuda.bindings import driver
-
-    if not stream_is_capturing(stream):
+    state = capture_status(stream)
+    if state == "none":
         return False
+    if state == "invalidated":
+        retire_stream(stream)
+        return True
     status, graph = driver.cuStreamEndCapture(driver.CUstream(stream.cuda_stream))
-    if int(status) == 0 and graph is not None and int(graph) != 0:
+    if owns_graph and int(status) == 0 and graph is not None and int(graph) != 0:
         driver.cuGraphDestroy(graph)
     return True
 
@@ -108,14 +145,15 @@ def _restore(graph: torch.cuda.CUDAGraph, streams: list[torch.cuda.ExternalStrea
             logger.debug("guarded_capture: ended a body capture left running on a side stream")
     main = streams[0]
     ended_cleanly = False
-    if stream_is_capturing(main):
+    if capture_status(main) != "none":  # active or invalidated: torch's capture_end ends either
         try:
             with torch.cuda.stream(main):
                 graph.capture_end()  # a valid capture ends the torch way: allocator and pool included
             ended_cleanly = True
         except Exception as exc:  # invalidated: the stream's capture is over, torch's bookkeeping is not
             logger.debug("guarded_capture: capture_end after failure raised %s", exc)
-            end_stray_capture(main)
+            if capture_status(main) != "none":
+                retire_stream(main)
     if not ended_cleanly:
         pool_id = _pool_id(pool)
         with contextlib.suppress(Exception):  # raises when the allocator is not routing to the pool
@@ -139,9 +177,12 @@ def guarded_capture(
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     streams = dedicated_streams(torch.device("cuda", index), 1 + side_streams)
-    for s in streams:
-        if end_stray_capture(s):  # only a process that bypassed this guard can leave one
-            logger.warning("branchyard: a CUDA graph capture was left running on a branchyard stream; ended it")
+    if any(capture_status(s) != "none" for s in streams):  # only code that bypassed this guard leaves one
+        logger.warning("branchyard: a CUDA graph capture was left on a branchyard stream; replacing the stream")
+        for s in streams:
+            if capture_status(s) != "none":
+                retire_stream(s)
+        streams = dedicated_streams(torch.device("cuda", index), 1 + side_streams)
     main = streams[0]
     torch.cuda.synchronize(index)
     main.wait_stream(torch.cuda.current_stream(index))

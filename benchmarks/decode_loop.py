@@ -15,6 +15,8 @@ steps (CUDA events around whole calls, median of ``--reps`` calls):
 * ``by_graph``           ``branchyard.compile(..., passes=())``: CUDA graph only
 * ``by_switch``          ``passes=("cond_to_switch",)`` (torch >= 2.14)
 * ``by_full``            ``passes=("cond_to_switch", "nvgemm")``: the full pipeline
+* ``by_full_inductor``   the same with ``inductor=True`` (the bodies' plain ATen runs as Inductor kernels);
+                         ``by_switch_inductor``: switch and Inductor regions, no NVGEMM
 * ``floor``              weight bytes read per step / measured copy bandwidth, plus the per-step
                          cost of our WHILE + SWITCH graph with empty branches
 
@@ -174,13 +176,21 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
                 return torch_cond_nodes(torch.export.export(model, (x, steps_t)), (x, steps_t))
 
             column("torch_cond_nodes", build_torch, model, x, steps_t, args.steps, args.reps, dtype, row)
-        variants = {"by_graph": (), "by_switch": ("cond_to_switch",), "by_full": ("cond_to_switch", "nvgemm"),
-                    "by_nvgemm": ("nvgemm",)}
-        for name, passes in variants.items():
+        variants = {
+            "by_graph": ((), False),
+            "by_switch": (("cond_to_switch",), False),
+            "by_full": (("cond_to_switch", "nvgemm"), False),
+            "by_full_inductor": (("cond_to_switch", "nvgemm"), True),
+            "by_switch_inductor": (("cond_to_switch",), True),
+        }
+        for name, (passes, inductor) in variants.items():
             if name in cols:
                 column(
-                    name, lambda passes=passes: branchyard.compile(model, (x, steps_t), passes=passes), model, x,
-                    steps_t, args.steps, args.reps, dtype, row,
+                    name,
+                    lambda passes=passes, inductor=inductor: branchyard.compile(
+                        model, (x, steps_t), passes=passes, inductor=inductor
+                    ),
+                    model, x, steps_t, args.steps, args.reps, dtype, row,
                 )
         del ep
     torch._dynamo.reset()
@@ -195,7 +205,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument(
         "--columns", nargs="+",
-        default=["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full"],
+        default=["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full",
+                 "by_full_inductor", "by_switch_inductor"],
     )
     p.add_argument("--json", help="append one JSON row per (shape, batch) to this file")
     args = p.parse_args()

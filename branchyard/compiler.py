@@ -80,11 +80,15 @@ class CaptureRecord:
     lowered: bool
     reason: str | None = None
     conditional_nodes: dict[str, int] = field(default_factory=dict)
+    #: every node of the graph, bodies included (None where the driver does not say)
+    graph_nodes: int | None = None
 
     def __str__(self) -> str:
         if not self.lowered:
             return f"{self.shapes}: eager ({self.reason})"
         nodes = ", ".join(f"{k} {v}" for k, v in self.conditional_nodes.items() if v) or "no conditional nodes"
+        if self.graph_nodes is not None:
+            nodes += f"; {self.graph_nodes} nodes in all"
         return f"{self.shapes}: one CUDA graph ({nodes}), captured in {self.seconds * 1e3:.0f} ms"
 
 
@@ -348,6 +352,18 @@ class CompiledProgram(torch.nn.Module):
         self.max_captures = max_captures
         self._graph_options = graph_options
         self._gm = program.module()
+        self.inductor_regions = 0
+        if graph_options.pop("inductor", False):
+            from branchyard.lowering.cuda_graph.inductor_regions import fuse_regions
+
+            start = time.perf_counter()
+            self.inductor_regions = fuse_regions(self._gm)
+            report.stages.append(
+                StageRecord(
+                    "inductor", "ran" if self.inductor_regions else "unchanged", time.perf_counter() - start,
+                    f"{self.inductor_regions} region(s) of plain ATen ops become Inductor kernels (compiled at warm-up)",
+                )
+            )
         self.captures: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._pool: Any = None
         self._sig_fn = model if not isinstance(model, torch.export.ExportedProgram) else None
@@ -378,6 +394,7 @@ class CompiledProgram(torch.nn.Module):
         record = CaptureRecord(
             _describe_key(key), time.perf_counter() - start, lowered.lowered, lowered.fallback_reason,
             dict(lowered.conditional_nodes),
+            getattr(getattr(lowered, "graph_nodes", None), "total", None),
         )
         self.report.captures.append(record)
         if not lowered.lowered:
@@ -468,6 +485,7 @@ def compile(
     max_captures: int = 16,
     max_iterations: int | None = None,
     clone_outputs: bool = True,
+    inductor: bool = False,
 ) -> CompiledProgram:
     """Export ``model``, run ``passes`` on it and lower it to CUDA graphs, in one step.
 
@@ -478,8 +496,11 @@ def compile(
     CUDA graph per concrete input shape on first use (``capture_sizes`` captures
     sizes of the spec's vars ahead of time), keeping at most ``max_captures``.
     ``max_iterations`` and ``clone_outputs`` are those of
-    :func:`branchyard.lowering.cuda_graph.cuda_graph`. The example inputs are
-    captured at compile time, so lowering errors surface here.
+    :func:`branchyard.lowering.cuda_graph.cuda_graph`. ``inductor=True`` compiles
+    the runs of plain ATen ops in every body with Inductor before capture
+    (:mod:`branchyard.lowering.cuda_graph.inductor_regions`): fewer graph nodes
+    per step. The example inputs are captured at compile time, so lowering
+    errors surface here.
     """
     if not isinstance(max_captures, int) or max_captures < 1:
         raise BranchyardError(f"max_captures must be a positive int, got {max_captures!r}", where="branchyard.compile")
@@ -498,7 +519,7 @@ def compile(
         if attached is not None:
             program.branchyard_shapes = attached  # type: ignore[attr-defined]
 
-    options = {"max_iterations": max_iterations, "clone_outputs": clone_outputs}
+    options = {"max_iterations": max_iterations, "clone_outputs": clone_outputs, "inductor": inductor}
     compiled = CompiledProgram(
         program, report, model=model, spec=spec, cuda_graph=cuda_graph, max_captures=max_captures, graph_options=options
     )

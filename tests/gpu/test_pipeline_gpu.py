@@ -77,6 +77,20 @@ def test_fused_gemms_inside_switch_inside_while_capture_and_replay():
         assert (got[1].float() - want[1].float()).abs().max() <= 0.05 * want[1].float().abs().max()
 
 
+@pytest.mark.parametrize("passes", [("cond_to_switch",), ("cond_to_switch", "nvgemm")])
+def test_inductor_regions_inside_conditional_nodes(passes):
+    torch.manual_seed(4)
+    model = DecodeLoop(dim=128, hidden=256, num_experts=4).to(DEV).eval()
+    x = torch.randn(16, 128, device=DEV)
+    fast = _compile(model, (x, torch.tensor(3, device=DEV)), passes=passes, inductor=True)
+    plain = _compile(model, (x, torch.tensor(3, device=DEV)), passes=passes)
+    assert fast.inductor_regions >= 2 and fast.report.captures[0].lowered, fast.report
+    assert fast.captures[next(iter(fast.captures))].graph_nodes.total < plain.captures[next(iter(plain.captures))].graph_nodes.total
+    for trips in (0, 1, 5, 40):
+        t = torch.tensor(trips, device=DEV)
+        _close(fast(x, t), model(x, t), torch.float32)
+
+
 def test_dynamic_batch_one_capture_per_shape_in_one_pool():
     torch.manual_seed(2)
     model = DecodeLoop(dim=32, hidden=64, num_experts=3).to(DEV).eval()

@@ -1,0 +1,112 @@
+"""Fuse the straight-line ATen code of every body into Inductor kernels before capture.
+
+Inside a conditional node each op is a graph node, and on Hopper a node costs
+microseconds whatever it computes; a decode step's RMS-norm is four of them.
+:func:`fuse_regions` finds maximal runs of plain ATen ops in the program and
+in every branch and loop body (torch's ``CapabilityBasedPartitioner``) and
+replaces each run of two or more ops by an :class:`InductorRegion`: on real
+tensors it runs ``torch.compile(run, backend="inductor")`` (one compile per
+input shape, made during the warm-up), on fake tensors the original ops (so
+validation sees what the program does). Left out of regions, so the lowering
+keeps its own node-saving patterns and fused kernels:
+
+* control flow (cond, switch, while_loop) and custom ops (``branchyard.fused_gemm_epilogue``);
+* 0-d integer and bool values: loop counters, predicates and switch indices,
+  which the set and step kernels read directly;
+* random ops (the lowering refuses them inside bodies with a clear error).
+
+Before / after, in one body::
+
+    %sq   = aten.pow(%y, 2)                  %fused_0 = call_module[InductorRegion](%y)
+    %mean = aten.mean.dim(%sq, [-1], True)   ->   (one Triton kernel on the GPU)
+    %add  = aten.add.Tensor(%mean, 1e-6)
+    %rs   = aten.rsqrt(%add)
+    %out  = aten.mul.Tensor(%y, %rs)
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+__all__ = ["InductorRegion", "fuse_regions"]
+
+logger = logging.getLogger("branchyard")
+
+
+def _is_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+class InductorRegion(torch.nn.Module):
+    """A run of ATen ops: Inductor kernels on real tensors, the ops themselves on fake ones."""
+
+    def __init__(self, gm: GraphModule):
+        super().__init__()
+        self.ops = gm  # not a child the lowering walks into: it is called as a module
+        self._compiled: Any = None
+
+    def forward(self, *args: Any) -> Any:
+        if any(_is_fake(a) for a in args) or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            return self.ops(*args)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.ops.forward, backend="inductor", fullgraph=True, dynamic=False)
+        return self._compiled(*args)
+
+
+class _Fusable(OperatorSupportBase):
+    def is_node_supported(self, submodules: Any, node: Node) -> bool:
+        if node.op != "call_function":
+            return False
+        target = node.target
+        val = node.meta.get("val")
+        if target is operator.getitem:
+            src = node.args[0]
+            return isinstance(src, Node) and isinstance(src.target, torch._ops.OpOverload)
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+            return False  # control flow, custom ops, Python functions
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return False
+        if not isinstance(val, torch.Tensor):
+            return False
+        if val.dim() == 0 and not val.dtype.is_floating_point:
+            return False  # counters, predicates, indices: the set and step kernels read these
+        return True
+
+
+def _fuse_one(gm: GraphModule) -> int:
+    partitions = CapabilityBasedPartitioner(gm, _Fusable(), allows_single_node_partition=False).propose_partitions()
+    if not partitions:
+        return 0
+    from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+    fuse_by_partitions(gm, [dict(p.nodes) for p in partitions], prefix="inductor_region_")  # edits gm in place
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target.startswith("inductor_region_"):
+            sub = gm.get_submodule(node.target)
+            if isinstance(sub, GraphModule):
+                gm.add_submodule(node.target, InductorRegion(sub))
+                count += 1
+    gm.recompile()
+    return count
+
+
+def fuse_regions(gm: GraphModule) -> int:
+    """Replace runs of plain ATen ops in ``gm`` and every nested body by :class:`InductorRegion` (in place).
+
+    Returns the number of regions made.
+    """
+    from branchyard.passes.infra import iter_graph_modules
+
+    total = sum(_fuse_one(g) for g in list(iter_graph_modules(gm)))
+    logger.debug("fuse_regions: %d Inductor region(s)", total)
+    return total

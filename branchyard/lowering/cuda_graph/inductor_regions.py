@@ -11,8 +11,9 @@ validation sees what the program does). Left out of regions, so the lowering
 keeps its own node-saving patterns and fused kernels:
 
 * control flow (cond, switch, while_loop) and custom ops (``branchyard.fused_gemm_epilogue``);
-* 0-d integer and bool values: loop counters, predicates and switch indices,
-  which the set and step kernels read directly;
+* arithmetic on 0-d integer and bool values (loop counters, predicates,
+  ``idx == k``), which the set and step kernels evaluate themselves; a
+  reduction of real data to an index (``argmax``) may join a region;
 * random ops (the lowering refuses them inside bodies with a clear error).
 
 Before / after, in one body::
@@ -78,7 +79,10 @@ class _Fusable(OperatorSupportBase):
         if not isinstance(val, torch.Tensor):
             return False
         if val.dim() == 0 and not val.dtype.is_floating_point:
-            return False  # counters, predicates, indices: the set and step kernels read these
+            # Scalar arithmetic on counters, predicates and indices stays: the set and step
+            # kernels evaluate it. A reduction of real data to an index (argmax) may join.
+            inputs = [a.meta.get("val") for a in node.all_input_nodes]
+            return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in inputs)
         return True
 
 

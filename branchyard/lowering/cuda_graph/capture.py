@@ -329,7 +329,7 @@ def warn_fallback(reason: str) -> None:
 
 # --------------------------------------------------------------------------- the module
 def _graph_timing() -> Any:
-    """While warming up for a capture, NVGEMM ops tune for device time (a graph has no host dispatch)."""
+    """Warm-up and capture: NVGEMM ops tune (warm-up) and look up (capture) their choice for device time."""
     try:
         from branchyard.lowering.nvgemm import timing_mode
     except ImportError:  # an nvgemm without timing modes: it tunes as it always does
@@ -497,7 +497,7 @@ class CudaGraphModule(torch.nn.Module):
         ctx.keepalive = []
         pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         try:
-            with guarded_capture(graph, pool=pool, device=device):
+            with guarded_capture(graph, pool=pool, device=device), _graph_timing():
                 if ctx.max_iterations is not None:
                     ctx.exhausted = torch.zeros((), dtype=torch.bool, device=device)
                 outputs = ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)

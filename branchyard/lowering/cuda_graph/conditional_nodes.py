@@ -518,7 +518,9 @@ class ConditionalBuilder:
             )
         side = self._streams[self._depth]
         stream = d.CUstream(side.cuda_stream)
-        mode = d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        # Relaxed: the main capture (global mode) already forbids unsafe calls while it runs, and a
+        # body capture left invalidated on a retired stream must not forbid them in this thread forever.
+        mode = d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         if _takes_edge_data(d.cuStreamBeginCaptureToGraph):
             _check(d.cuStreamBeginCaptureToGraph(stream, body, None, None, 0, mode), "cuStreamBeginCaptureToGraph")
         else:

@@ -93,6 +93,7 @@ def retire_stream(stream: torch.cuda.Stream) -> None:
 
     Ending such a capture-to-graph (``cuStreamEndCapture``) can crash the driver once the
     parent capture was invalidated, so the stream is abandoned and replaced on next use.
+    Body captures run in relaxed mode, so an abandoned one restricts no later API call.
     """
     for streams in _STREAMS.values():
         for i, s in enumerate(streams):

@@ -31,6 +31,7 @@ def build_tile_class() -> type:
     import cutlass.utils.hopper_helpers as sm90
 
     from branchyard.lowering.nvgemm._cutedsl_common import build_base_class
+    from branchyard.lowering.nvgemm._cutedsl_epilogue import apply_steps
     from branchyard.lowering.nvgemm.kernel_config import TILE_K
 
     class FusedGemmKernel(build_base_class()):

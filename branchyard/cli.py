@@ -70,26 +70,15 @@ def save_program(program: Any, path: str | os.PathLike) -> None:
 def parse_pass_names(text: str) -> list[str]:
     """``"a,b"`` -> ``["a", "b"]``, each checked against the pass registry
     before any file is read (an unknown name fails fast, listing the known ones)."""
-    from branchyard.passes.infra import PASS_REGISTRY, get_pass
+    from branchyard.registry import PASSES, pass_class
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise BranchyardError("--passes is empty", hint="name at least one pass, e.g. --passes cond_to_switch")
-    _load_optional_passes()
     for name in names:
-        if name not in PASS_REGISTRY:
-            get_pass(name)  # raises the "unknown pass ...; known passes: ..." error
+        if name not in PASSES:
+            pass_class(name)  # raises the "unknown pass ...; known passes: ..." error
     return names
-
-
-def _load_optional_passes() -> None:
-    """Register passes that live outside :mod:`branchyard.passes` (nvgemm)."""
-    import branchyard.passes  # noqa: F401  (cond_to_switch, switch_to_cond)
-
-    try:
-        import branchyard.lowering.nvgemm  # noqa: F401
-    except ImportError:  # the package is optional at runtime; its pass is then unknown
-        pass
 
 
 # --- commands -------------------------------------------------------------------
@@ -129,7 +118,8 @@ def format_before_after(before: Any, after: Any) -> str:
 
 def _cmd_rewrite(args: argparse.Namespace) -> int:
     from branchyard.inspection import graph_stats
-    from branchyard.passes.infra import Pipeline, get_pass
+    from branchyard.fx.pass_infra import Pipeline
+    from branchyard.registry import get_pass
 
     names = parse_pass_names(args.passes)
     out = Path(args.output)
@@ -160,11 +150,13 @@ def _cmd_example(args: argparse.Namespace) -> int:
 
 
 def _cmd_passes(args: argparse.Namespace) -> int:
-    from branchyard.passes.infra import PASS_REGISTRY
+    from branchyard.registry import pass_class, pass_names
 
-    _load_optional_passes()
-    for name in sorted(PASS_REGISTRY):
-        doc = (PASS_REGISTRY[name].__doc__ or "").strip().splitlines()
+    for name in pass_names():
+        try:
+            doc = (pass_class(name).__doc__ or "").strip().splitlines()
+        except BranchyardError as exc:  # e.g. an optional dependency missing here
+            doc = [str(exc)]
         print(f"{name:16} {doc[0] if doc else ''}")
     return 0
 

@@ -177,7 +177,8 @@ def _pass_unavailable(name: str) -> str | None:
 
 
 def _run_pass(name: str, program: torch.export.ExportedProgram, report: CompileReport) -> torch.export.ExportedProgram:
-    from branchyard.passes.infra import Pipeline, get_pass
+    from branchyard.fx.pass_infra import Pipeline
+    from branchyard.registry import get_pass
 
     start = time.perf_counter()
     why = _pass_unavailable(name)

@@ -118,7 +118,7 @@ def count_control_flow(gm: GraphModule) -> dict[str, int]:
 
 def graph_stats(program: ExportedProgram | GraphModule) -> GraphStats:
     """The :class:`GraphStats` of ``program``."""
-    from branchyard.passes.infra import iter_graph_modules
+    from branchyard.fx.graph_walk import iter_graph_modules
 
     gm = _as_graph_module(program)
     counts = dict.fromkeys(_CONTROL_FLOW, 0)
@@ -277,7 +277,7 @@ def _cond_trees(gm: GraphModule, labels: dict[int, str]) -> list[CondTreeInfo]:
 
 
 def _hop_nodes(gm: GraphModule, labels: dict[int, str], kind: str) -> list[tuple[str, Node]]:
-    from branchyard.passes.infra import iter_graph_modules
+    from branchyard.fx.graph_walk import iter_graph_modules
 
     return [
         (labels.get(id(sub), "?"), node)
@@ -307,7 +307,7 @@ def _while_loops(gm: GraphModule, labels: dict[int, str]) -> list[WhileLoopInfo]
 
 def _epilogue_chains(gm: GraphModule, labels: dict[int, str]) -> list[EpilogueChainInfo]:
     from branchyard.lowering.nvgemm.matcher import find_epilogue_chains
-    from branchyard.passes.infra import iter_graph_modules
+    from branchyard.fx.graph_walk import iter_graph_modules
 
     out = []
     for sub in iter_graph_modules(gm):

@@ -59,7 +59,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH, TORCH_VERSION
 from branchyard.errors import SerializationError
-from branchyard.passes.infra import copy_graph_module, iter_graph_modules
+from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules
 
 __all__ = ["save", "load", "lower_switches_for_save", "restore_switches", "MARKER_FILE", "MARKER_KEY"]
 

@@ -58,7 +58,7 @@ def test_full_pipeline_matches_eager_for_every_trip_count(model):
 
 
 def _all_nodes(gm):
-    from branchyard.passes.infra import iter_graph_modules
+    from branchyard.fx.graph_walk import iter_graph_modules
 
     for g in iter_graph_modules(gm):
         yield from g.graph.nodes

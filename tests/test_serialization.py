@@ -13,7 +13,7 @@ from torch.export import ExportedProgram
 import branchyard
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import SerializationError
-from branchyard.passes.infra import iter_graph_modules
+from branchyard.fx.graph_walk import iter_graph_modules
 from branchyard.serialization import MARKER_FILE, load, lower_switches_for_save, save
 
 pytestmark = pytest.mark.skipif(not HAS_SWITCH, reason="needs torch.ops.higher_order.switch (torch >= 2.14)")

@@ -1,4 +1,4 @@
-"""``cond-to-switch``: replace each maximal tree of nested ``torch.cond`` by
+"""``cond_to_switch``: replace each maximal tree of nested ``torch.cond`` by
 one ``torch.ops.higher_order.switch`` over the tree's leaves.
 
 Postcondition: no absorbable cond tree of depth >= 2 is left in the graph or
@@ -59,19 +59,18 @@ from branchyard.passes.cond_tree import (
     find_cond_trees,
     resolve_origin,
 )
-from branchyard.passes.control_flow import (
+from branchyard.fx.control_flow import (
     AttrSink,
     emit,
     erase_dead_inputs,
-    replace_with_outputs,
-    rewrite_graphs,
     inline_graph,
-    new_graph_module,
-    realize_lazy_modules,
     is_cond,
+    new_graph_module,
     node_value,
+    replace_with_outputs,
 )
-from branchyard.passes.infra import BranchyardPass, Program, apply_pass, lint_graph_module, register_pass
+from branchyard.fx.graph_walk import lint_graph_module, realize_graph_modules, rewrite_graphs
+from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
 
 __all__ = ["CondToSwitch", "cond_to_switch", "find_cond_trees", "CondTree", "inductor_pre_grad_pass"]
 
@@ -192,11 +191,10 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
             graph.erase_node(attr)
 
 
-@register_pass("cond_to_switch")
 class CondToSwitch(BranchyardPass):
     """Flatten every maximal nested-cond tree into one switch (see the module docstring)."""
 
-    name = "cond-to-switch"
+    name = "cond_to_switch"
     pause_gc = True
 
     def run(self, graph_module: GraphModule) -> bool:
@@ -258,7 +256,7 @@ def cond_to_switch(program: Program) -> Program:
     """
     _lint_program(program)
     out = apply_pass(program, CondToSwitch())
-    realize_lazy_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
+    realize_graph_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
     return out
 
 
@@ -273,8 +271,9 @@ def _lint_program(program: Any) -> None:
 def _source_hash() -> str:
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for name in ("cond_to_switch.py", "cond_tree.py", "control_flow.py", "leaf_dedup.py"):
-        h.update((here / name).read_bytes())
+    for path in (here / "cond_to_switch.py", here / "cond_tree.py", here / "leaf_dedup.py",
+                 here.parent / "fx" / "control_flow.py", here.parent / "fx" / "graph_walk.py"):
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 

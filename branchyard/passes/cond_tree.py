@@ -50,7 +50,7 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.fx import Graph, GraphModule, Node
 
-from branchyard.passes.control_flow import (
+from branchyard.fx.control_flow import (
     AttrSink,
     CondParts,
     cond_parts,

@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Graph, GraphModule, Node
 
-from branchyard.passes.control_flow import resolve_attr
+from branchyard.fx.graph_walk import resolve_attr
 
 __all__ = ["graph_hash", "structurally_equal", "group_identical"]
 

@@ -1,4 +1,4 @@
-"""``switch-to-cond``: lower every ``torch.ops.higher_order.switch`` to a
+"""``switch_to_cond``: lower every ``torch.ops.higher_order.switch`` to a
 balanced tree of ``torch.cond``, for consumers without switch (ONNX export,
 torch < 2.14 runtimes).
 
@@ -44,25 +44,24 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from branchyard.errors import MalformedGraphError
-from branchyard.passes.control_flow import (
+from branchyard.fx.control_flow import (
     COND,
     AttrSink,
     SwitchParts,
     describe_node,
     emit,
-    graph_outputs,
     erase_dead_inputs,
+    graph_outputs,
+    inline_graph,
+    is_switch,
+    new_graph_module,
+    node_value,
     replace_with_outputs,
     returns_sequence,
-    rewrite_graphs,
-    inline_graph,
-    new_graph_module,
-    realize_lazy_modules,
-    is_switch,
-    node_value,
     switch_parts,
 )
-from branchyard.passes.infra import BranchyardPass, Program, apply_pass, lint_graph_module, register_pass
+from branchyard.fx.graph_walk import lint_graph_module, realize_graph_modules, rewrite_graphs
+from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
 
 __all__ = ["SwitchToCond", "switch_to_cond"]
 
@@ -152,11 +151,10 @@ class _Lowering:
         return cond
 
 
-@register_pass("switch_to_cond")
 class SwitchToCond(BranchyardPass):
     """Lower every switch to a balanced cond tree (see the module docstring)."""
 
-    name = "switch-to-cond"
+    name = "switch_to_cond"
     pause_gc = True
 
     def run(self, graph_module: GraphModule) -> bool:
@@ -204,5 +202,5 @@ def switch_to_cond(program: Program) -> Program:
 
     _lint_program(program)
     out = apply_pass(program, SwitchToCond())
-    realize_lazy_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
+    realize_graph_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
     return out

@@ -7,7 +7,7 @@ import torch
 import branchyard
 from branchyard.examples.decode_loop import DecodeLoop
 from branchyard.lowering.cuda_graph.inductor_regions import InductorRegion, fuse_regions
-from branchyard.passes.infra import iter_graph_modules
+from branchyard.fx.graph_walk import iter_graph_modules
 
 
 def _regions(gm):

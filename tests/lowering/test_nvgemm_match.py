@@ -10,8 +10,8 @@ from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.lowering.nvgemm import NvGemmPass, find_epilogue_chains, nvgemm
-from branchyard.passes import apply_pass as apply
-from branchyard.passes import get_pass
+from branchyard.fx.pass_infra import apply_pass as apply
+from branchyard.registry import get_pass
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 aten = torch.ops.aten

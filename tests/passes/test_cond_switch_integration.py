@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.passes import CondToSwitch, cond_to_switch, find_cond_trees, switch_to_cond
 from branchyard.passes.cond_to_switch import inductor_pre_grad_pass
-from branchyard.passes.control_flow import is_cond, is_switch
+from branchyard.fx.control_flow import is_cond, is_switch
 from branchyard.testing import assert_equivalent
 
 aten = torch.ops.aten

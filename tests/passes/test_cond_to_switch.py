@@ -16,8 +16,9 @@ if not HAS_SWITCH:  # torch < 2.14 (e.g. the GPU machine): nothing to rewrite to
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.errors import MalformedGraphError
-from branchyard.passes import CondToSwitch, cond_to_switch, find_cond_trees, get_pass
-from branchyard.passes.control_flow import is_cond, is_switch
+from branchyard.fx.control_flow import is_cond, is_switch
+from branchyard.passes import CondToSwitch, cond_to_switch, find_cond_trees
+from branchyard.registry import get_pass
 from branchyard.testing import assert_equivalent
 
 aten = torch.ops.aten
@@ -143,7 +144,7 @@ def test_idempotent_and_second_run_unmodified(two_sided_ep):
 
 def test_registered_for_the_cli():
     assert isinstance(get_pass("cond_to_switch"), CondToSwitch)
-    assert CondToSwitch.name == "cond-to-switch"
+    assert CondToSwitch.name == "cond_to_switch"
 
 
 # --------------------------------------------------------------------------- dispatch chains
@@ -500,7 +501,7 @@ def test_graph_failing_lint_is_rejected():
 
 def test_many_trees_in_one_graph():
     # 60 dispatch chains of 4 conds each, built by copying one traced chain.
-    from branchyard.passes.control_flow import AttrSink, inline_graph
+    from branchyard.fx.control_flow import AttrSink, inline_graph
 
     fn, ref = chain_fn([0, 1, 2, 3])
     small = make_fx(fn)(torch.tensor(0), X)

@@ -19,7 +19,7 @@ from branchyard._compat import HAS_SWITCH
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 
-from branchyard.passes.infra import iter_graph_modules  # noqa: E402
+from branchyard.fx.graph_walk import iter_graph_modules  # noqa: E402
 from branchyard.testing import assert_equivalent  # noqa: E402
 from branchyard.testing.strategies import Cond, CondTreeSpec, Leaf, Pred, cond_tree_specs, switch_specs  # noqa: E402
 

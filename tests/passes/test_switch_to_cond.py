@@ -16,8 +16,9 @@ if not HAS_SWITCH:  # torch < 2.14 (e.g. the GPU machine): nothing to rewrite to
 from torch._higher_order_ops import switch
 
 from branchyard.errors import MalformedGraphError
-from branchyard.passes import SwitchToCond, get_pass, switch_to_cond
-from branchyard.passes.control_flow import is_cond, is_switch
+from branchyard.fx.control_flow import is_cond, is_switch
+from branchyard.passes import SwitchToCond, switch_to_cond
+from branchyard.registry import get_pass
 
 aten = torch.ops.aten
 X = torch.tensor([0.5, -1.0, 2.0])
@@ -114,7 +115,7 @@ def test_graph_without_switch_is_unchanged():
 
 
 def test_registered_for_the_cli():
-    assert isinstance(get_pass("switch_to_cond"), SwitchToCond) and SwitchToCond.name == "switch-to-cond"
+    assert isinstance(get_pass("switch_to_cond"), SwitchToCond) and SwitchToCond.name == "switch_to_cond"
 
 
 def switch_node(gm):

@@ -33,11 +33,13 @@ Semantics, as Python, that the capture reproduces on the device::
         return carried
 
     def switch(index, branches, operands):
-        return branches[min(max(int(index), 0), len(branches) - 1)](*operands)
+        return branches[min(max(int(index), 0), len(branches) - 1)](*operands)   # clamp
 
-:func:`switch` is that reference, usable as an FX ``call_function`` target on
-torch versions without ``torch.ops.higher_order.switch`` (torch < 2.14): the
-table maps both to the same handler.
+(:mod:`branchyard.fx.control_flow` states these once for the library.)
+:func:`switch` is :func:`branchyard.fx.control_flow.switch`, that reference,
+usable as an FX ``call_function`` target on torch versions without
+``torch.ops.higher_order.switch`` (torch < 2.14): the table maps both to the
+same handler.
 """
 
 from __future__ import annotations
@@ -48,30 +50,12 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from branchyard.errors import LoweringError, MalformedGraphError, UnsupportedGraphError
+from branchyard.fx.control_flow import switch
 
 if TYPE_CHECKING:  # pragma: no cover
     from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter
 
 __all__ = ["ControlFlowHandler", "HANDLERS", "handler_for", "switch", "TensorMeta"]
-
-
-def switch(index: torch.Tensor | int, branches: Sequence[Callable], operands: Sequence[Any]) -> tuple:
-    """Run ``branches[clamp(index, 0, len(branches) - 1)](*operands)``.
-
-    The semantics of ``torch.ops.higher_order.switch`` as plain Python (it
-    syncs the host to read ``index``). Put it in an FX graph as a
-    ``call_function`` node to get a SWITCH node on torch versions that lack
-    the switch operator::
-
-        >>> import torch
-        >>> switch(torch.tensor(7), [lambda x: (x + 1,), lambda x: (x * 10,)], (torch.tensor(2),))
-        (tensor(20),)
-    """
-    if not branches:
-        raise MalformedGraphError("switch needs at least one branch", where="switch")
-    i = int(index.reshape(()).item()) if isinstance(index, torch.Tensor) else int(index)
-    out = branches[min(max(i, 0), len(branches) - 1)](*operands)
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 @dataclass(frozen=True)
@@ -153,10 +137,6 @@ def check_same_outputs(interp: "ControlFlowInterpreter", outs: list[tuple], labe
                 hint="all branches must return tensors of the same shapes and dtypes",
             )
     return [TensorMeta.of(o) for o in first]
-
-
-def _as_tuple(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 # --------------------------------------------------------------------------- while_loop

@@ -109,7 +109,7 @@ def fuse_regions(gm: GraphModule) -> int:
 
     Returns the number of regions made.
     """
-    from branchyard.passes.infra import iter_graph_modules
+    from branchyard.fx.graph_walk import iter_graph_modules
 
     total = sum(_fuse_one(g) for g in list(iter_graph_modules(gm)))
     logger.debug("fuse_regions: %d Inductor region(s)", total)

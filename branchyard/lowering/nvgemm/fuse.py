@@ -36,7 +36,8 @@ from torch.fx import GraphModule, Node
 
 from branchyard.lowering.nvgemm.matcher import MATMUL_ROOTS, EpilogueChain, match_chain
 from branchyard.lowering.nvgemm.op import fused_gemm_epilogue
-from branchyard.passes.infra import BranchyardPass, Program, apply_pass, iter_graph_modules, register_pass
+from branchyard.fx.graph_walk import iter_graph_modules
+from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
 
 __all__ = ["NvGemmPass", "nvgemm"]
 
@@ -88,7 +89,6 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
     return fused
 
 
-@register_pass("nvgemm")
 class NvGemmPass(BranchyardPass):
     """Fuse matmul + epilogue chains into ``branchyard.fused_gemm_epilogue``.
 

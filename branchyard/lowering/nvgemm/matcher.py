@@ -396,7 +396,7 @@ def find_epilogue_chains(gm: GraphModule, *, recursive: bool = False) -> list[Ep
     rewrites one chain at a time, would see it.
     """
     if recursive:
-        from branchyard.passes.infra import iter_graph_modules
+        from branchyard.fx.graph_walk import iter_graph_modules
 
         return [c for sub in iter_graph_modules(gm) for c in find_epilogue_chains(sub)]
     chains = []

@@ -1,4 +1,4 @@
-"""Pass infrastructure shared by every branchyard pass.
+"""The pass infrastructure: base class, report, pipeline, function forms.
 
 A branchyard pass is a :class:`torch.fx.passes.infra.pass_base.PassBase`:
 calling it on a ``GraphModule`` returns ``PassResult(graph_module, modified)``.
@@ -17,9 +17,9 @@ graph (subgraphs included) after each pass, verifies an ExportedProgram at the
 end, and returns the reports of all passes::
 
     >>> import torch
-    >>> from branchyard.passes.infra import BranchyardPass, Pipeline
+    >>> from branchyard.fx.pass_infra import BranchyardPass, Pipeline
     >>> class DropNothing(BranchyardPass):
-    ...     name = "drop-nothing"
+    ...     name = "drop_nothing"
     ...     def run(self, gm):
     ...         for node in gm.graph.nodes:
     ...             self.skip(node, "nothing to drop")
@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import copy
 import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
+from typing import Any, ClassVar, Iterator, Sequence, TypeVar
 
 import torch
 from torch.export import ExportedProgram
@@ -46,7 +45,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.passes.infra.pass_manager import PassManager
 
-from branchyard.errors import BranchyardError, MalformedGraphError
+from branchyard.errors import BranchyardError
+from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules, lint_graph_module, realize_graph_modules
 
 __all__ = [
     "logger",
@@ -55,16 +55,9 @@ __all__ = [
     "BranchyardPass",
     "Program",
     "apply_pass",
-    "lint_graph_module",
-    "iter_graph_modules",
     "gc_paused",
-    "copy_graph_module",
-    "realize_graph_modules",
     "Pipeline",
     "PipelineResult",
-    "PASS_REGISTRY",
-    "register_pass",
-    "get_pass",
 ]
 
 logger = logging.getLogger("branchyard")
@@ -111,13 +104,14 @@ def _describe(where: Node | str) -> str:
 class BranchyardPass(PassBase):
     """Base class of branchyard passes.
 
-    Subclasses set ``name`` (kebab-case, like XLA pass names) and implement
+    Subclasses set ``name`` (snake_case; the same name the registry,
+    the command line and reports use) and implement
     :meth:`run`. After a run that modified the graph, every graph (subgraphs
     included) is linted and recompiled, so a pass cannot hand back a graph
     that torch.fx would reject.
     """
 
-    name: ClassVar[str] = "branchyard-pass"
+    name: ClassVar[str] = "branchyard_pass"
     #: Whether to run DCE on every graph after a modifying run.
     eliminate_dead_code: ClassVar[bool] = False
     #: Whether to pause the cyclic GC for the run, recompile and lint (see
@@ -163,9 +157,8 @@ def gc_paused() -> Iterator[None]:
 
     A pass over a large graph allocates many small objects while millions of
     fake tensors and nodes are alive; each generation-2 collection walks all of
-    them, which made rewrite time grow faster than linearly (measured: 2.7 s
-    vs 1.5 s for 2,000 conds). Nothing a rewrite creates needs cycle
-    collection before it ends.
+    them, so rewrite time would grow faster than linearly with the graph.
+    Nothing a rewrite creates needs cycle collection before it ends.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -174,104 +167,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def iter_graph_modules(gm: GraphModule) -> Iterator[GraphModule]:
-    """``gm`` and every GraphModule reachable from it as a submodule, each once."""
-    seen: set[int] = set()
-    stack = [gm]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        yield m
-        stack.extend(c for c in m.children() if isinstance(c, GraphModule))
-
-
-def lint_graph_module(gm: GraphModule) -> None:
-    """Lint ``gm`` and every subgraph; raise :class:`MalformedGraphError`
-    naming the graph that fails."""
-    for sub in iter_graph_modules(gm):
-        try:
-            sub.graph.lint()
-        except Exception as exc:  # torch raises RuntimeError / AssertionError here
-            label = getattr(sub, "_branchyard_label", type(sub).__name__)
-            raise MalformedGraphError(
-                f"graph fails torch.fx lint: {exc}", where=f"graph module {label!r}"
-            ) from exc
-
-
-def copy_graph_module(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
-    """Copy ``gm`` and every GraphModule under it, keeping every node's name.
-
-    Tensors (parameters, buffers, constants) are deep-copied; node ``meta`` is
-    copied shallowly (its fake values are never mutated); a subgraph shared by
-    several parents stays shared.
-
-    Unlike ``copy.deepcopy``, names that shadow Python builtins survive
-    (``input`` stays ``input``, which an ExportedProgram's signature needs),
-    and code generation runs once per module instead of once per ancestor
-    (every ``GraphModule.recompile`` recompiles all its descendants, so a deep
-    copy of nested control flow is O(nodes x depth)). With ``lazy=True`` the
-    copy's modules generate code on first use; :func:`realize_graph_modules`
-    makes them eager.
-    """
-    copy_ = _copy_lazily(gm, {})
-    return copy_ if lazy else realize_graph_modules(copy_)
-
-
-def _copy_lazily(gm: GraphModule, memo: dict[int, Any]) -> GraphModule:
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    if id(gm) in memo:
-        return memo[id(gm)]
-    root = torch.nn.Module()
-    for name, child in gm.named_children():
-        twin = _copy_lazily(child, memo) if isinstance(child, GraphModule) else copy.deepcopy(child, memo)
-        root.add_module(name, twin)
-    for name, p in gm.named_parameters(recurse=False):
-        root.register_parameter(name, copy.deepcopy(p, memo))
-    for name, b in gm.named_buffers(recurse=False):
-        root.register_buffer(name, copy.deepcopy(b, memo), persistent=name not in gm._non_persistent_buffers_set)
-    for node in gm.graph.nodes:  # plain attributes (tensor constants, opaque objects)
-        head = str(node.target).split(".")[0] if node.op == "get_attr" else None
-        if head is not None and not hasattr(root, head):
-            setattr(root, head, copy.deepcopy(getattr(gm, head), memo))
-    graph = copy.deepcopy(gm.graph)
-    for old_node, new_node in zip(gm.graph.nodes, graph.nodes):
-        new_node.name = old_node.name  # deepcopy renames builtin-shadowing names
-    new = _LazyGraphModule(root, graph, class_name=type(gm).__name__)
-    new.meta = copy.copy(getattr(gm, "meta", {}))
-    memo[id(gm)] = new
-    return new
-
-
-def realize_graph_modules(gm: GraphModule) -> GraphModule:
-    """Replace every lazily compiled module in ``gm``'s tree by an eager one
-    (Dynamo will not trace a lazy module's forward); returns the new root."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    def eager(m: GraphModule) -> GraphModule:
-        # Children are still lazy here, so this recompiles only m's own code.
-        out = GraphModule(m, m.graph, class_name=type(m).__name__)
-        out.meta = copy.copy(getattr(m, "meta", {}))
-        return out
-
-    root = eager(gm) if isinstance(gm, _LazyGraphModule) else gm
-    done: dict[int, GraphModule] = {}
-    stack: list[torch.nn.Module] = [root]
-    while stack:
-        m = stack.pop()
-        for name, child in list(m.named_children()):
-            if isinstance(child, _LazyGraphModule):
-                if id(child) not in done:
-                    done[id(child)] = eager(child)
-                    stack.append(done[id(child)])
-                setattr(m, name, done[id(child)])
-            elif isinstance(child, GraphModule):
-                stack.append(child)
-    return root
 
 
 def _check_input(program: Any) -> None:
@@ -366,31 +261,3 @@ class Pipeline:
                 out.validate()
         reports = [p.report for p in self.passes if isinstance(p, BranchyardPass)]
         return PipelineResult(out, modified, reports)
-
-
-#: Pass name (as used on the command line) -> pass class. Filled by
-#: :func:`register_pass` in each pass module.
-PASS_REGISTRY: dict[str, type[BranchyardPass]] = {}
-
-
-def register_pass(cli_name: str) -> Callable[[type[BranchyardPass]], type[BranchyardPass]]:
-    """Class decorator: make a pass available by ``cli_name`` (``--passes``)."""
-
-    def deco(cls: type[BranchyardPass]) -> type[BranchyardPass]:
-        PASS_REGISTRY[cli_name] = cls
-        return cls
-
-    return deco
-
-
-def get_pass(cli_name: str) -> BranchyardPass:
-    """A fresh instance of the registered pass ``cli_name``."""
-    # Importing these registers the built-in passes (graph passes and lowerings).
-    import branchyard.lowering  # noqa: F401
-    import branchyard.passes  # noqa: F401
-
-    try:
-        return PASS_REGISTRY[cli_name]()
-    except KeyError:
-        known = ", ".join(sorted(PASS_REGISTRY)) or "none"
-        raise BranchyardError(f"unknown pass {cli_name!r}; known passes: {known}") from None

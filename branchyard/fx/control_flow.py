@@ -1,8 +1,9 @@
-"""Reading and building control-flow higher-order-op nodes in FX graphs.
+"""The control-flow operators -- cond, switch, while_loop -- as graphs hold them.
 
-One place that knows the graph form of ``torch.ops.higher_order.cond`` and
-``torch.ops.higher_order.switch`` as produced by ``torch.export``, ``make_fx``
-and Dynamo::
+One place that knows what ``torch.ops.higher_order.cond``, ``switch`` and
+``while_loop`` look like in an FX graph (as ``torch.export``, ``make_fx`` and
+Dynamo produce them), how to take such a node apart, how to build one, and
+what each one means::
 
     true_graph_0 = self.true_graph_0                       # get_attr
     cond = torch.ops.higher_order.cond(pred, true_graph_0, false_graph_0, (x, y))
@@ -12,13 +13,50 @@ and Dynamo::
     switch = torch.ops.higher_order.switch(index, [branch0, branch1, ...], (x, y))
     getitem = switch[0]
 
-:func:`cond_parts` / :func:`switch_parts` take such a node apart and validate
-it, raising :class:`~branchyard.errors.MalformedGraphError` naming the node
-(branches that are not graphs, operands that are not tensors or ints, branch
-outputs that disagree in count, dtype or shape, a switch with no branches).
-:func:`emit` creates a new node and fills its ``val`` / ``example_value`` meta
-by running the op on the fake values of its inputs, so rewritten export
-graphs keep the metadata the verifier and later passes rely on.
+    while_loop = torch.ops.higher_order.while_loop(cond_fn, body_fn, (i, x), (w,))
+    getitem = while_loop[0]
+
+Semantics, as Python (:func:`cond`, :func:`switch`, :func:`while_loop` below
+are exactly this, and run)::
+
+    def cond(pred, true_fn, false_fn, operands):
+        return true_fn(*operands) if pred else false_fn(*operands)
+
+    def switch(index, branches, operands):
+        index = min(max(int(index), 0), len(branches) - 1)    # clamp
+        return branches[index](*operands)
+
+    def while_loop(cond_fn, body_fn, carried, additional):
+        while cond_fn(*carried, *additional):
+            carried = body_fn(*carried, *additional)
+        return carried
+
+The out-of-range rule of switch: **the index is clamped to ``[0, n - 1]``**,
+as ``torch.switch`` (and JAX's ``lax.switch``) clamp it. ``torch.switch``
+clamps before it calls the operator, so a traced switch node's index is in
+range; the operator's own eager kernel rejects an out-of-range index instead
+of clamping. Everything in branchyard that evaluates or lowers a switch node
+clamps (``switch_to_cond``'s cond tree, the CUDA-graph SWITCH node, the
+serialized form), and ``cond_to_switch`` only builds indices that are always
+in range, so no result depends on the difference.
+
+:data:`TABLE` holds one :class:`ControlFlowOp` row per operator: its
+operator, where its operand tuples sit in ``node.args``, the function taking
+a node apart into a validated dataclass (:class:`CondParts`,
+:class:`SwitchParts`, :class:`WhileLoopParts`, each with ``rebuild``), and
+its semantics. Taking a node apart raises
+:class:`~branchyard.errors.MalformedGraphError` naming the node (branches
+that are not graphs, operands that are not tensors or ints, branch outputs
+that disagree in count, dtype or shape, a switch with no branches, a float
+switch index). :func:`emit` creates a new node and fills its ``val`` /
+``example_value`` meta by running the op on the fake values of its inputs, so
+rewritten export graphs keep the metadata the verifier and later passes rely on.
+
+    >>> import torch
+    >>> switch(torch.tensor(7), [lambda x: (x + 1,), lambda x: (x * 10,)], (torch.tensor(2),))
+    (tensor(20),)
+    >>> sorted(TABLE)
+    ['cond', 'switch', 'while_loop']
 """
 
 from __future__ import annotations
@@ -33,38 +71,84 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import MalformedGraphError
-from branchyard.passes.infra import gc_paused, realize_graph_modules  # noqa: F401  (gc_paused re-exported)
+from branchyard.fx.graph_walk import resolve_attr
 
 __all__ = [
     "COND",
     "SWITCH",
+    "WHILE_LOOP",
+    "GETITEM",
+    "TABLE",
+    "ControlFlowOp",
+    "control_flow_op",
+    "cond",
+    "switch",
+    "while_loop",
     "is_cond",
     "is_switch",
+    "is_while_loop",
     "node_value",
     "CondParts",
     "SwitchParts",
+    "WhileLoopParts",
     "cond_parts",
     "switch_parts",
+    "while_loop_parts",
     "graph_outputs",
     "emit",
     "fake_mode_of",
-    "fresh_attr_name",
     "describe_node",
     "placeholders",
     "AttrSink",
-    "resolve_attr",
     "inline_graph",
     "new_graph_module",
-    "realize_lazy_modules",
-    "gc_paused",
-    "rewrite_graphs",
     "erase_dead_inputs",
     "replace_with_outputs",
     "returns_sequence",
 ]
 
+
+# --------------------------------------------------------------------------- semantics
+def cond(pred: Any, true_fn: Callable, false_fn: Callable, operands: Sequence[Any]) -> Any:
+    """``true_fn(*operands) if pred else false_fn(*operands)``: what a cond node computes."""
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+def switch(index: torch.Tensor | int, branches: Sequence[Callable], operands: Sequence[Any]) -> tuple:
+    """Run ``branches[clamp(index, 0, len(branches) - 1)](*operands)``; return a tuple.
+
+    The semantics of a switch node as plain Python (it syncs the host to read
+    ``index``). It also serves as an FX ``call_function`` target standing for
+    the switch operator on torch versions without it (torch < 2.14); the
+    CUDA-graph lowering treats both alike.
+    """
+    if not branches:
+        raise MalformedGraphError("switch needs at least one branch", where="switch")
+    i = int(index.reshape(()).item()) if isinstance(index, torch.Tensor) else int(index)
+    out = branches[min(max(i, 0), len(branches) - 1)](*operands)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def while_loop(cond_fn: Callable, body_fn: Callable, carried: Sequence[Any], additional: Sequence[Any] = ()) -> tuple:
+    """Run ``body_fn`` on the carries while ``cond_fn`` holds; return the final carries.
+
+    >>> while_loop(lambda i: i < 3, lambda i: (i + 1,), (0,))
+    (3,)
+    """
+    carried = tuple(carried)
+    while bool(cond_fn(*carried, *additional)):
+        out = body_fn(*carried, *additional)
+        carried = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return carried
+
+
+# --------------------------------------------------------------------------- recognising nodes
 COND: HigherOrderOperator = torch.ops.higher_order.cond
 SWITCH: HigherOrderOperator | None = torch.ops.higher_order.switch if HAS_SWITCH else None
+WHILE_LOOP: HigherOrderOperator = torch.ops.higher_order.while_loop
+
+#: ``operator.getitem``, for matchers that test ``node.target is GETITEM``.
+GETITEM = operator.getitem
 
 
 def is_cond(node: Node) -> bool:
@@ -77,6 +161,12 @@ def is_switch(node: Node) -> bool:
     return SWITCH is not None and node.op == "call_function" and node.target is SWITCH
 
 
+def is_while_loop(node: Node) -> bool:
+    """Whether ``node`` calls ``torch.ops.higher_order.while_loop``."""
+    return node.op == "call_function" and node.target is WHILE_LOOP
+
+
+# --------------------------------------------------------------------------- taking nodes apart
 def describe_node(node: Node) -> str:
     """``node 'name'``, for error messages."""
     return f"node '{node.name}'"
@@ -211,6 +301,15 @@ class CondParts:
         """The true (``side=True``) or false branch graph."""
         return self.true_gm if side else self.false_gm
 
+    def args(self) -> tuple[Any, ...]:
+        """The node's ``args`` as these parts describe them."""
+        return (self.pred, self.true_attr, self.false_attr, self.operands)
+
+    def rebuild(self, graph: Graph) -> Node:
+        """A new cond node from these parts at ``graph``'s insertion point (meta copied);
+        change a part first with ``dataclasses.replace``."""
+        return _rebuild(graph, self.node, self.args())
+
 
 def cond_parts(owner: GraphModule, node: Node) -> CondParts:
     """Take the cond ``node`` of ``owner`` apart; raise MalformedGraphError if it is ill-formed."""
@@ -240,6 +339,14 @@ class SwitchParts:
     branch_attrs: tuple[Node, ...]
     operands: tuple[Any, ...]
 
+    def args(self) -> tuple[Any, ...]:
+        """The node's ``args`` as these parts describe them."""
+        return (self.index, list(self.branch_attrs), self.operands)
+
+    def rebuild(self, graph: Graph) -> Node:
+        """A new switch node from these parts at ``graph``'s insertion point (meta copied)."""
+        return _rebuild(graph, self.node, self.args())
+
 
 def switch_parts(owner: GraphModule, node: Node) -> SwitchParts:
     """Take the switch ``node`` of ``owner`` apart; raise MalformedGraphError if it is ill-formed."""
@@ -255,11 +362,133 @@ def switch_parts(owner: GraphModule, node: Node) -> SwitchParts:
         )
     if not isinstance(operands, (tuple, list)):
         raise MalformedGraphError(f"switch operands are {type(operands).__name__}, expected a tuple", where=describe_node(node))
+    _check_index(node, index)
     gms = tuple(_resolve_subgraph(owner, b, node, f"branch {i}") for i, b in enumerate(branches))
     _check_operands(node, operands)
     _check_arity(node, gms, [f"branch {i}" for i in range(len(gms))], len(operands))
     _check_branch_outputs(node, gms, [f"branch {i}" for i in range(len(gms))])
     return SwitchParts(node, index, gms, tuple(branches), tuple(operands))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class WhileLoopParts:
+    """A validated ``while_loop`` node: both body graphs, carried and additional inputs."""
+
+    node: Node
+    cond_gm: GraphModule
+    body_gm: GraphModule
+    cond_attr: Node
+    body_attr: Node
+    carried: tuple[Any, ...]
+    additional: tuple[Any, ...]
+
+    @property
+    def operands(self) -> tuple[Any, ...]:
+        """Every input the bodies take: the carries, then the additional inputs."""
+        return (*self.carried, *self.additional)
+
+    def args(self) -> tuple[Any, ...]:
+        """The node's ``args`` as these parts describe them."""
+        return (self.cond_attr, self.body_attr, self.carried, self.additional)
+
+    def rebuild(self, graph: Graph) -> Node:
+        """A new while_loop node from these parts at ``graph``'s insertion point (meta copied)."""
+        return _rebuild(graph, self.node, self.args())
+
+
+def while_loop_parts(owner: GraphModule, node: Node) -> WhileLoopParts:
+    """Take the while_loop ``node`` of ``owner`` apart; raise MalformedGraphError if it is ill-formed."""
+    if len(node.args) != 4:
+        raise MalformedGraphError(
+            f"while_loop takes (cond_fn, body_fn, carried, additional), got {len(node.args)} args",
+            where=describe_node(node),
+        )
+    c, b, carried, additional = node.args
+    for what, seq in (("carried inputs", carried), ("additional inputs", additional)):
+        if not isinstance(seq, (tuple, list)):
+            raise MalformedGraphError(
+                f"while_loop {what} are {type(seq).__name__}, expected a tuple", where=describe_node(node)
+            )
+    cond_gm = _resolve_subgraph(owner, c, node, "cond_fn")
+    body_gm = _resolve_subgraph(owner, b, node, "body_fn")
+    operands = (*carried, *additional)
+    _check_operands(node, operands)
+    _check_arity(node, [cond_gm, body_gm], ["cond_fn", "body_fn"], len(operands))
+    n_out = len(graph_outputs(body_gm))
+    if n_out != len(carried):
+        raise MalformedGraphError(
+            f"body_fn returns {n_out} values for {len(carried)} loop carries", where=describe_node(node)
+        )
+    return WhileLoopParts(node, cond_gm, body_gm, c, b, tuple(carried), tuple(additional))  # type: ignore[arg-type]
+
+
+def _rebuild(graph: Graph, like: Node, args: tuple[Any, ...]) -> Node:
+    new = graph.call_function(like.target, args, dict(like.kwargs))  # type: ignore[arg-type]
+    new.meta = dict(like.meta)
+    return new
+
+
+# --------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class ControlFlowOp:
+    """One control-flow operator: how a graph holds it and what it means."""
+
+    name: str
+    #: The higher-order operator (None: this torch lacks it).
+    op: HigherOrderOperator | None
+    #: Positions in ``node.args`` of the tuples of values passed to the bodies.
+    operand_args: tuple[int, ...]
+    #: Take a node apart (validated): ``parts(owner, node)``.
+    parts: Callable[[GraphModule, Node], Any]
+    #: The operator's meaning as Python, runnable on callables.
+    semantics: Callable[..., Any]
+
+    def matches(self, node: Node) -> bool:
+        """Whether ``node`` calls this operator."""
+        return self.op is not None and node.op == "call_function" and node.target is self.op
+
+    def operands(self, node: Node) -> tuple[Any, ...]:
+        """The values ``node`` passes to its bodies, unvalidated (for counting)."""
+        return tuple(v for i in self.operand_args if i < len(node.args) for v in node.args[i])
+
+
+#: cond, switch, while_loop: one row each.
+TABLE: dict[str, ControlFlowOp] = {
+    row.name: row
+    for row in (
+        ControlFlowOp("cond", COND, (3,), lambda owner, node: cond_parts(owner, node), cond),
+        ControlFlowOp("switch", SWITCH, (2,), lambda owner, node: switch_parts(owner, node), switch),
+        ControlFlowOp("while_loop", WHILE_LOOP, (2, 3), lambda owner, node: while_loop_parts(owner, node), while_loop),
+    )
+}
+
+
+def control_flow_op(node: Node) -> ControlFlowOp | None:
+    """The :data:`TABLE` row of the operator ``node`` calls, or None."""
+    if node.op != "call_function" or not isinstance(node.target, HigherOrderOperator):
+        return None
+    row = TABLE.get(node.target.name())
+    return row if row is not None and row.matches(node) else None
+
+
+def _check_index(node: Node, index: Any) -> None:
+    val = node_value(index)
+    if isinstance(val, torch.Tensor):
+        if val.dtype.is_floating_point or val.dtype.is_complex or val.dtype == torch.bool:
+            raise MalformedGraphError(
+                f"switch index has dtype {val.dtype}; it must be an integer tensor",
+                where=describe_node(node),
+            )
+        if val.numel() != 1:
+            raise MalformedGraphError(
+                f"switch index has shape {tuple(val.shape)}; it must hold one element",
+                where=describe_node(node),
+            )
+    elif val is not None and (isinstance(val, bool) or not isinstance(val, (int, torch.SymInt))):
+        raise MalformedGraphError(
+            f"switch index is {type(val).__name__}; expected an integer tensor, int or SymInt",
+            where=describe_node(node),
+        )
 
 
 def fake_mode_of(values: Sequence[Any]) -> Any:
@@ -306,21 +535,6 @@ def emit(graph: Graph, target: Callable[..., Any], args: tuple[Any, ...], kwargs
     return node
 
 
-def fresh_attr_name(module: torch.nn.Module, base: str) -> str:
-    """``base`` or ``base_<n>``: the first name not yet an attribute of ``module``."""
-    base = base.replace(".", "_")
-    if not hasattr(module, base):
-        return base
-    n = 1
-    while hasattr(module, f"{base}_{n}"):
-        n += 1
-    return f"{base}_{n}"
-
-
-#: ``operator.getitem`` re-exported for matchers that test ``node.target is GETITEM``.
-GETITEM = operator.getitem
-
-
 class AttrSink:
     """Collects the attributes (subgraphs, constants) that copied ``get_attr``
     nodes refer to, under names unique within one destination module;
@@ -353,55 +567,11 @@ def new_graph_module(attrs: dict[str, Any], graph: Graph) -> GraphModule:
     """A GraphModule over ``graph`` whose Python code is generated lazily
     (on first call or ``.code``): a pass creating hundreds of branch graphs
     should not pay for code generation the next compiler stage never uses.
-    See :func:`realize_lazy_modules` for handing results to Dynamo."""
+    See :func:`~branchyard.fx.graph_walk.realize_graph_modules` for handing
+    results to Dynamo."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     return _LazyGraphModule(attrs, graph)
-
-
-def realize_lazy_modules(gm: GraphModule) -> None:
-    """Replace every lazily compiled module under ``gm`` by an eager one.
-
-    Dynamo refuses to trace ``_LazyGraphModule``'s lazy forward (torch.fx is
-    on its skip list), so ``torch.compile(program.module())`` needs this;
-    the function forms return eager modules (the pipeline realizes them), the
-    pass objects (used inside compilers, which call the modules directly) do
-    not. ``gm`` itself must be eager; its subtree is updated in place.
-    """
-    realize_graph_modules(gm)
-
-
-def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[str]], bool],
-                   _seen: set[int] | None = None) -> bool:
-    """Call ``rewrite(owner, node, dead_attrs)`` on every node of ``gm``, then
-    of every GraphModule below it (each once, a parent before its children,
-    so subgraphs a rewrite creates are visited too); afterwards drop from each
-    owner the attributes a rewrite put in ``dead_attrs`` that no ``get_attr``
-    still reads. Returns whether any call changed something."""
-    seen = set() if _seen is None else _seen
-    if id(gm) in seen:
-        return False
-    seen.add(id(gm))
-    changed = False
-    dead: set[str] = set()
-    for node in list(gm.graph.nodes):
-        changed |= rewrite(gm, node, dead)
-    if dead:
-        live = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-        for name in dead - live:
-            delattr(gm, name)
-    for child in list(gm.children()):
-        if isinstance(child, GraphModule):
-            changed |= rewrite_graphs(child, rewrite, seen)
-    return changed
-
-
-def resolve_attr(gm: torch.nn.Module, target: str) -> Any:
-    """The object a ``get_attr`` node with ``target`` reads from ``gm``."""
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def returns_sequence(gm: GraphModule) -> bool:

@@ -1,0 +1,18 @@
+"""The ground floor: what control flow looks like in an FX graph, walking
+nested graphs, and the pass infrastructure. Everything else builds on it;
+it imports nothing of branchyard above it.
+
+* :mod:`branchyard.fx.control_flow` -- the table of control-flow operators
+  (cond, switch, while_loop): recognise a node, take it apart into a
+  validated dataclass, rebuild it; each operator's semantics as Python;
+  helpers that copy graph bodies and emit nodes with fake-value meta.
+* :mod:`branchyard.fx.graph_walk` -- iterate, rewrite, lint, copy and
+  realize a GraphModule and every subgraph below it.
+* :mod:`branchyard.fx.pass_infra` -- :class:`BranchyardPass`,
+  :class:`PassReport`, :class:`Skip`, :class:`Pipeline` and
+  :func:`apply_pass`: a pass reports whether it changed the graph and why it
+  skipped what it skipped; the pipeline copies and lints once.
+
+The registry of passes by name is :mod:`branchyard.registry`, one floor up
+(it names passes of every floor).
+"""

@@ -1,0 +1,179 @@
+"""Walking, linting, copying and realizing nested graph modules.
+
+A program with control flow is a tree of ``GraphModule``\\ s: each cond,
+switch or while_loop node reads its branch bodies with ``get_attr`` from its
+owner. Every module that needs "each graph of the program" walks it here:
+
+* :func:`iter_graph_modules` -- the root and every GraphModule below it, each once;
+* :func:`rewrite_graphs` -- call a rewrite on every node of every graph,
+  parents before children, and drop the attributes the rewrites freed;
+* :func:`lint_graph_module` -- ``Graph.lint`` on all of them, failing with
+  :class:`~branchyard.errors.MalformedGraphError` naming the graph;
+* :func:`copy_graph_module` / :func:`realize_graph_modules` -- a copy that keeps
+  node names and generates code once per module, and turning lazily compiled
+  modules into eager ones (Dynamo will not trace a lazy module)::
+
+    >>> import torch
+    >>> gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    >>> twin = copy_graph_module(gm)
+    >>> len(list(iter_graph_modules(twin))), twin is gm, twin.code == gm.code
+    (1, False, True)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from branchyard.errors import MalformedGraphError
+
+__all__ = [
+    "iter_graph_modules",
+    "rewrite_graphs",
+    "resolve_attr",
+    "lint_graph_module",
+    "copy_graph_module",
+    "realize_graph_modules",
+]
+
+
+def iter_graph_modules(gm: GraphModule) -> Iterator[GraphModule]:
+    """``gm`` and every GraphModule reachable from it as a submodule, each once."""
+    seen: set[int] = set()
+    stack = [gm]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(c for c in m.children() if isinstance(c, GraphModule))
+
+
+def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[str]], bool],
+                   _seen: set[int] | None = None) -> bool:
+    """Call ``rewrite(owner, node, dead_attrs)`` on every node of ``gm``, then
+    of every GraphModule below it (each once, a parent before its children,
+    so subgraphs a rewrite creates are visited too); afterwards drop from each
+    owner the attributes a rewrite put in ``dead_attrs`` that no ``get_attr``
+    still reads. Returns whether any call changed something."""
+    seen = set() if _seen is None else _seen
+    if id(gm) in seen:
+        return False
+    seen.add(id(gm))
+    changed = False
+    dead: set[str] = set()
+    for node in list(gm.graph.nodes):
+        changed |= rewrite(gm, node, dead)
+    if dead:
+        live = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        for name in dead - live:
+            delattr(gm, name)
+    for child in list(gm.children()):
+        if isinstance(child, GraphModule):
+            changed |= rewrite_graphs(child, rewrite, seen)
+    return changed
+
+
+def resolve_attr(gm: torch.nn.Module, target: str) -> Any:
+    """The object a ``get_attr`` node with ``target`` reads from ``gm``."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def lint_graph_module(gm: GraphModule) -> None:
+    """Lint ``gm`` and every subgraph; raise :class:`MalformedGraphError`
+    naming the graph that fails."""
+    for sub in iter_graph_modules(gm):
+        try:
+            sub.graph.lint()
+        except Exception as exc:  # torch raises RuntimeError / AssertionError here
+            label = getattr(sub, "_branchyard_label", type(sub).__name__)
+            raise MalformedGraphError(
+                f"graph fails torch.fx lint: {exc}", where=f"graph module {label!r}"
+            ) from exc
+
+
+def copy_graph_module(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
+    """Copy ``gm`` and every GraphModule under it, keeping every node's name.
+
+    Tensors (parameters, buffers, constants) are deep-copied; node ``meta`` is
+    copied shallowly (its fake values are never mutated); a subgraph shared by
+    several parents stays shared.
+
+    Unlike ``copy.deepcopy``, names that shadow Python builtins survive
+    (``input`` stays ``input``, which an ExportedProgram's signature needs),
+    and code generation runs once per module instead of once per ancestor
+    (every ``GraphModule.recompile`` recompiles all its descendants, so a deep
+    copy of nested control flow is O(nodes x depth)). With ``lazy=True`` the
+    copy's modules generate code on first use; :func:`realize_graph_modules`
+    makes them eager.
+    """
+    copy_ = _copy_lazily(gm, {})
+    return copy_ if lazy else realize_graph_modules(copy_)
+
+
+def _copy_lazily(gm: GraphModule, memo: dict[int, Any]) -> GraphModule:
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if id(gm) in memo:
+        return memo[id(gm)]
+    root = torch.nn.Module()
+    for name, child in gm.named_children():
+        twin = _copy_lazily(child, memo) if isinstance(child, GraphModule) else copy.deepcopy(child, memo)
+        root.add_module(name, twin)
+    for name, p in gm.named_parameters(recurse=False):
+        root.register_parameter(name, copy.deepcopy(p, memo))
+    for name, b in gm.named_buffers(recurse=False):
+        root.register_buffer(name, copy.deepcopy(b, memo), persistent=name not in gm._non_persistent_buffers_set)
+    for node in gm.graph.nodes:  # plain attributes (tensor constants, opaque objects)
+        head = str(node.target).split(".")[0] if node.op == "get_attr" else None
+        if head is not None and not hasattr(root, head):
+            setattr(root, head, copy.deepcopy(getattr(gm, head), memo))
+    graph = copy.deepcopy(gm.graph)
+    for old_node, new_node in zip(gm.graph.nodes, graph.nodes):
+        new_node.name = old_node.name  # deepcopy renames builtin-shadowing names
+    new = _LazyGraphModule(root, graph, class_name=type(gm).__name__)
+    new.meta = copy.copy(getattr(gm, "meta", {}))
+    memo[id(gm)] = new
+    return new
+
+
+def realize_graph_modules(gm: GraphModule) -> GraphModule:
+    """Replace every lazily compiled module in ``gm``'s tree by an eager one
+    and return the new root (``gm`` itself when it is eager; its subtree is
+    then updated in place).
+
+    Dynamo refuses to trace ``_LazyGraphModule``'s lazy forward (torch.fx is
+    on its skip list), so ``torch.compile(program.module())`` needs this. The
+    function forms of passes return eager modules (the pipeline realizes
+    them); pass objects, run inside compilers that call modules directly,
+    leave the subgraphs they create lazy.
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    def eager(m: GraphModule) -> GraphModule:
+        # Children are still lazy here, so this recompiles only m's own code.
+        out = GraphModule(m, m.graph, class_name=type(m).__name__)
+        out.meta = copy.copy(getattr(m, "meta", {}))
+        return out
+
+    root = eager(gm) if isinstance(gm, _LazyGraphModule) else gm
+    done: dict[int, GraphModule] = {}
+    stack: list[torch.nn.Module] = [root]
+    while stack:
+        m = stack.pop()
+        for name, child in list(m.named_children()):
+            if isinstance(child, _LazyGraphModule):
+                if id(child) not in done:
+                    done[id(child)] = eager(child)
+                    stack.append(done[id(child)])
+                setattr(m, name, done[id(child)])
+            elif isinstance(child, GraphModule):
+                stack.append(child)
+    return root

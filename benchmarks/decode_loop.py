@@ -197,6 +197,39 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
     return row
 
 
+COLUMNS = ["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full",
+           "by_full_inductor", "by_switch_inductor"]
+
+
+def markdown(rows: list[dict]) -> str:
+    """A table of us/step per column, the floor, and the full pipeline's speedups (rows from --json files)."""
+    cols = [c for c in COLUMNS if any(f"{c}_us_per_step" in r or f"{c}_error" in r for r in rows)]
+    head = ["torch", "shape", "batch", *cols, "floor"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.get("torch", "?").split("+")[0], f"{r['dim']}x{r['hidden']}", str(r["batch"])]
+        for c in cols:
+            if f"{c}_us_per_step" in r:
+                ok = all(v is True for v in r.get(f"{c}_agrees", {}).values())
+                cells.append(f"{r[f'{c}_us_per_step']:.1f}" + ("" if ok else " (differs)"))
+            elif f"{c}_error" in r:
+                cells.append("fails: " + r[f"{c}_error"].split(":")[0])
+            else:
+                cells.append("")
+        cells.append(f"{r['floor_us']:.1f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:
+        mine = [(r[f"{c}_us_per_step"], c) for c in cols if c.startswith("by_") and f"{c}_us_per_step" in r]
+        if not mine:
+            continue
+        ours = min(mine)
+        ratios = [f"{c} {r[f'{c}_us_per_step'] / ours[0]:.1f}x" for c in ("eager", "compile", "reduce_overhead",
+                  "torch_cond_nodes") if f"{c}_us_per_step" in r]
+        lines.append(f"\ntorch {r.get('torch', '?')}, {r['dim']}x{r['hidden']} batch {r['batch']}: best branchyard column {ours[1]} "
+                     f"{ours[0]:.1f} us/step; speedup over " + ", ".join(ratios))
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["1024x4096", "4096x14336"], help="DIMxHIDDEN")
@@ -205,11 +238,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument(
         "--columns", nargs="+",
-        default=["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full",
-                 "by_full_inductor", "by_switch_inductor"],
+        default=COLUMNS,
     )
     p.add_argument("--json", help="append one JSON row per (shape, batch) to this file")
+    p.add_argument("--markdown", nargs="+", metavar="ROWS.jsonl", help="print a table of earlier --json rows and exit")
     args = p.parse_args()
+    if args.markdown:
+        rows = [json.loads(line) for path in args.markdown for line in open(path) if line.strip()]
+        print(markdown(rows))
+        return
     warnings.simplefilter("ignore")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}, "
           f"switch {'yes' if HAS_SWITCH else 'no'}", flush=True)

@@ -94,7 +94,9 @@ class GraphStats:
     """Size of a program, all subgraphs included.
 
     ``subgraphs`` counts graph modules other than the root; ``placeholders``
-    and ``nodes`` are summed over every graph; ``control_flow`` counts
+    and ``nodes`` are summed over every graph (a branch's placeholders are its
+    operands), ``root_placeholders`` counts the root graph's alone (the
+    program's inputs, parameters and buffers included); ``control_flow`` counts
     cond / switch / while_loop nodes; ``control_flow_operands`` sums their
     operand tuples (a while loop's carried and additional inputs).
     """
@@ -104,6 +106,7 @@ class GraphStats:
     nodes: int
     control_flow: dict[str, int]
     control_flow_operands: int
+    root_placeholders: int = 0
 
     @property
     def control_flow_nodes(self) -> int:
@@ -123,6 +126,7 @@ def graph_stats(program: ExportedProgram | GraphModule) -> GraphStats:
     gm = _as_graph_module(program)
     counts = dict.fromkeys(_CONTROL_FLOW, 0)
     subgraphs = placeholders = nodes = operands = 0
+    root_placeholders = len(gm.graph.find_nodes(op="placeholder"))
     for sub in iter_graph_modules(gm):
         subgraphs += sub is not gm
         for node in sub.graph.nodes:
@@ -132,7 +136,7 @@ def graph_stats(program: ExportedProgram | GraphModule) -> GraphStats:
             if kind is not None:
                 counts[kind] += 1
                 operands += _operands(node, kind)
-    return GraphStats(subgraphs, placeholders, nodes, counts, operands)
+    return GraphStats(subgraphs, placeholders, nodes, counts, operands, root_placeholders)
 
 
 @dataclass
@@ -206,8 +210,9 @@ class ProgramSummary:
         s = self.stats
         cf = ", ".join(f"{v} {k}" for k, v in s.control_flow.items())
         lines = [
-            f"graph: {s.nodes} nodes, {s.placeholders} placeholders, {s.subgraphs} subgraphs; "
-            f"control flow: {cf} ({s.control_flow_operands} operands)"
+            f"program: {s.root_placeholders} inputs (parameters and buffers included); "
+            f"{s.subgraphs} subgraphs; all graphs together: {s.nodes} nodes, {s.placeholders} placeholders",
+            f"control flow: {cf} ({s.control_flow_operands} operands)",
         ]
 
         def section(title: str, items: list[Any], render: Any) -> None:
@@ -238,13 +243,31 @@ class ProgramSummary:
             self.while_loops,
             lambda w: f"{w.graph}:{w.node}: {w.carried} carried, {w.additional} additional inputs",
         )
-        section(
-            "matmul+epilogue chains",
-            self.epilogue_chains,
-            lambda c: f"{c.graph}:{c.root}: {' -> '.join(c.steps) or '(matmul only)'}\n    -> {c.rewrite}",
-        )
+        # chains alike (same steps, same verdict) print once, with where they are
+        alike: dict[tuple[str, str], list[EpilogueChainInfo]] = {}
+        for c in self.epilogue_chains:
+            alike.setdefault((" -> ".join(c.steps) or "(matmul only)", c.rewrite), []).append(c)
+
+        def chains(group: tuple[tuple[str, str], list[EpilogueChainInfo]]) -> str:
+            (steps, rewrite), found = group
+            where = (f"{found[0].graph}:{found[0].root}" if len(found) == 1
+                     else f"{len(found)} chains ({_places(found)})")
+            return f"{where}: {steps}\n    -> {rewrite}"
+
+        lines.append(f"matmul+epilogue chains ({len(self.epilogue_chains)}):")
+        lines.extend(f"  {chains(g)}" for g in alike.items())
+        if not alike:
+            lines.append("  none")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _places(found: list[Any]) -> str:
+    """Where a group of findings is, short: node names, and how many graphs."""
+    roots = sorted({c.root for c in found})
+    graphs = {c.graph for c in found}
+    names = ", ".join(roots[:3]) + (", ..." if len(roots) > 3 else "")
+    return f"{names} in {len(graphs)} graph{'s' if len(graphs) != 1 else ''}"
 
 
 def _cond_trees(gm: GraphModule, labels: dict[int, str]) -> list[CondTreeInfo]:

@@ -2,6 +2,7 @@
 
 Commands::
 
+    python -m branchyard [-v] [--version] COMMAND ...
     python -m branchyard inspect PROGRAM.pt2 [--json]
     python -m branchyard rewrite IN.pt2 -o OUT.pt2 --passes cond_to_switch[,...]
     python -m branchyard example {expert-dispatch,cond-tree} -o OUT.pt2 [--size N] [--dim D]
@@ -14,7 +15,11 @@ passes (see ``passes``) in order and prints the graph size before and after.
 
 Every error a user can cause (a missing file, an unknown pass, a program a
 pass rejects) prints one line ``branchyard: error: ...`` to stderr and exits
-with status 1; usage errors exit with status 2 (argparse's convention).
+with status 1; usage errors exit with status 2 (argparse's convention). A
+reader that closes the pipe early (``inspect X | head``) ends the output
+quietly, with the status of a process ended by SIGPIPE (141), as ``cat``
+does. ``-v`` shows the ``branchyard`` logger's INFO messages on stderr
+(``-vv``: DEBUG); ``rewrite`` shows a progress bar on a terminal.
 :func:`main` takes ``argv`` and returns the exit status, so it can be called
 in-process::
 
@@ -26,18 +31,24 @@ in-process::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import re
 import sys
+import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from branchyard.errors import BranchyardError
 
 __all__ = ["main", "build_parser", "load_program", "save_program", "parse_pass_names"]
 
 PROG = "branchyard"
+
+logger = logging.getLogger("branchyard")
 
 
 def load_program(path: str | os.PathLike) -> Any:
@@ -98,8 +109,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 _SIZE_ROWS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("subgraphs", lambda s: s.subgraphs),
-    ("placeholders", lambda s: s.placeholders),
-    ("nodes", lambda s: s.nodes),
+    ("inputs of the program", lambda s: s.root_placeholders),
+    ("placeholders, all graphs", lambda s: s.placeholders),
+    ("nodes, all graphs", lambda s: s.nodes),
     ("control-flow nodes", lambda s: s.control_flow_nodes),
     ("  cond", lambda s: s.control_flow["cond"]),
     ("  switch", lambda s: s.control_flow["switch"]),
@@ -125,13 +137,99 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if not out.resolve().parent.is_dir():
         raise BranchyardError("output folder does not exist", where=str(out.resolve().parent), hint="create it first")
-    program = load_program(args.input)
-    result = Pipeline([get_pass(n) for n in names])(program)
-    save_program(result.program, out)
+    passes = [get_pass(n) for n in names]
+    with _Progress(len(passes) + 2, args.input) as progress:
+        program = progress.step("load", lambda: load_program(args.input))
+        for name, p in zip(names, passes):
+            progress.around(name, p)
+        result = Pipeline(passes)(program)
+        progress.step("save", lambda: save_program(result.program, out))
     print(f"{args.input} -> {out} ({', '.join(names)}: {'modified' if result.modified else 'unchanged'})")
     print(format_before_after(graph_stats(program), graph_stats(result.program)))
-    print(result.report())
+    print(format_reports(result.reports))
     return 0
+
+
+class _Progress:
+    """A tqdm bar over a command's steps (on a terminal only: tqdm turns itself
+    off when stderr is not one), and an INFO log line per step with its time."""
+
+    def __init__(self, total: int, what: Any):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=str(what), unit="step", file=sys.stderr, disable=None, leave=False)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
+
+    def step(self, label: str, work: Callable[[], Any]) -> Any:
+        self.bar.set_postfix_str(label)
+        logger.info("%s ...", label)
+        start = time.perf_counter()
+        out = work()
+        logger.info("%s: done in %.1f s", label, time.perf_counter() - start)
+        self.bar.update(1)
+        return out
+
+    def around(self, label: str, pass_: Any) -> None:
+        """Count ``pass_`` as one step when the pipeline runs it."""
+        call = pass_.call
+
+        def counted(graph_module: Any) -> Any:
+            return self.step(label, lambda: call(graph_module))
+
+        pass_.call = counted
+
+
+#: How ``rewrite`` says each pass counter; counters a pass adds later print as
+#: "name with spaces: value". Zero counts of ``*`` keys are left out.
+REPORT_WORDS: dict[str, str] = {
+    "cond_trees": "nested-cond trees found: {}",
+    "conds_removed": "conds removed: {}",
+    "switches_created": "switches created: {}",
+    "leaves": "leaves in those trees: {}",
+    "branches_after_dedup": "distinct branches after merging identical leaves: {}",
+    "operands_before": "control-flow operands before: {}",
+    "operands_after": "control-flow operands after: {}",
+    "*dispatch_index": "switches indexed by the dispatch value itself (idx == k chains): {}",
+    "*general_index": "switches whose index is computed from the predicates: {}",
+    "switches_lowered": "switches lowered: {}",
+    "conds_created": "conds created: {}",
+    "fused": "matmul chains fused: {}",
+    "declined": "matmuls left as they are: {}",
+    "*specs": "fused kernels: {}",
+}
+
+
+def _stat_line(key: str, value: Any) -> str | None:
+    for pattern in (key, "*" + key):
+        if pattern in REPORT_WORDS:
+            if pattern.startswith("*") and not value:
+                return None
+            text = ", ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            return REPORT_WORDS[pattern].format(text)
+    return f"{key.replace('_', ' ')}: {value}"
+
+
+def format_reports(reports: Sequence[Any]) -> str:
+    """Pass reports in words: counters by :data:`REPORT_WORDS`, and each skip
+    reason once with how many places it applied to."""
+    lines = []
+    for r in reports:
+        lines.append(f"{r.pass_name}: {'modified' if r.modified else 'unchanged'}")
+        lines += [f"  {line}" for k, v in r.stats.items() if (line := _stat_line(k, v)) is not None]
+        by_reason = Counter(s.reason for s in r.skips)
+        wheres: dict[str, list[str]] = {}
+        for s in r.skips:
+            wheres.setdefault(s.reason, []).append(s.where)
+        for reason, n in by_reason.items():
+            places = sorted(set(wheres[reason]))
+            where = places[0] if len(places) == 1 else f"{len(places)} different places"
+            lines.append((f"  {n} skips at {where}" if n > 1 else f"  skipped {where}") + f": {reason}")
+    return "\n".join(lines)
 
 
 def _cmd_example(args: argparse.Namespace) -> int:
@@ -149,6 +247,23 @@ def _cmd_example(args: argparse.Namespace) -> int:
     return 0
 
 
+#: reST inline markup -> plain text, in order: ``code``; :role:`~a.b.name` (reST shows
+#: "name"); :role:`text <target>` and :role:`a.b.name`; a docstring's pointer to itself.
+_REST: tuple[tuple[re.Pattern[str], Any], ...] = (
+    (re.compile(r"``(.+?)``"), r"\1"),
+    (re.compile(r":\w+:`~[\w.]*?(\w+)`"), r"\1"),
+    (re.compile(r":\w+:`(?:([^`<]*?)\s*<[^`>]*>|([^`]*))`"), lambda m: m.group(1) or m.group(2)),
+    (re.compile(r"\s*\(see the module docstring\)"), ""),
+)
+
+
+def plain_text(rest: str) -> str:
+    """``rest`` (one docstring line) as plain text, without reST markup."""
+    for pattern, repl in _REST:
+        rest = pattern.sub(repl, rest)
+    return rest
+
+
 def _cmd_passes(args: argparse.Namespace) -> int:
     from branchyard.registry import pass_class, pass_names
 
@@ -157,7 +272,8 @@ def _cmd_passes(args: argparse.Namespace) -> int:
             doc = (pass_class(name).__doc__ or "").strip().splitlines()
         except BranchyardError as exc:  # e.g. an optional dependency missing here
             doc = [str(exc)]
-        print(f"{name:16} {doc[0] if doc else ''}")
+        print(f"{name:16} {plain_text(doc[0]) if doc else ''}")
+    print("\nrun them with: branchyard rewrite IN.pt2 -o OUT.pt2 --passes NAME[,NAME...]")
     return 0
 
 
@@ -166,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     from branchyard.examples.expert_dispatch import EXAMPLES
 
     parser = argparse.ArgumentParser(prog=PROG, description="Inspect and rewrite exported programs (.pt2).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="show what branchyard does on stderr (-v: steps, -vv: every decision)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("inspect", help="list cond trees, switches, while loops, matmul+epilogue chains")
@@ -182,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("example", help="write a shipped example program")
     p.add_argument("name", choices=sorted(EXAMPLES), help="which example")
     p.add_argument("-o", "--output", required=True, help="where to write it (.pt2)")
-    p.add_argument("--size", type=int, default=None,
+    p.add_argument("--size", type=_positive_int, default=None,
                    help="; ".join(f"{s.name}: {s.size_name} (default {s.default_size})" for s in EXAMPLES.values()))
-    p.add_argument("--dim", type=int, default=16, help="feature size of x and of each expert (default 16)")
+    p.add_argument("--dim", type=_positive_int, default=16, help="feature size of x and of each expert (default 16)")
     p.set_defaults(run=_cmd_example)
 
     p = sub.add_parser("passes", help="list the passes --passes accepts")
@@ -192,12 +311,81 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value} (a size of {value} makes an empty program)")
+    return value
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("branchyard")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from branchyard import __version__
+
+        return __version__
+
+
+class _LogHandler(logging.StreamHandler):
+    """``branchyard: message`` on the current stderr (pytest swaps it per test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+@contextlib.contextmanager
+def _logging(verbosity: int) -> Iterator[None]:
+    """Show the ``branchyard`` logger on stderr for one command: -v INFO, -vv DEBUG."""
+    if verbosity <= 0:
+        yield
+        return
+    handler = _LogHandler()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbosity == 1 else logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``| head``): stop quietly, like ``cat``.
+
+    Python would report the closed pipe again when it flushes stdout at exit;
+    pointing stdout at /dev/null first keeps that quiet too.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no real file (captured in-process)
+        pass
+    return 128 + 13  # 128 + SIGPIPE: what a shell reports for a process ended by it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
     try:
-        return int(args.run(args))
+        with _logging(args.verbose):
+            status = int(args.run(args))
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return status
+    except BrokenPipeError:
+        return _closed_pipe()
     except BranchyardError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1

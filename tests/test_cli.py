@@ -7,6 +7,7 @@ torch costs seconds); two run the real ``python -m branchyard``.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def _one_error_line(err: str) -> str:
 
 def test_passes_lists_registered_passes(capsys):
     assert main(["passes"]) == 0
-    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    names = [line.split()[0] for line in capsys.readouterr().out.split("\n\n")[0].splitlines()]
     assert {"cond_to_switch", "switch_to_cond"} <= set(names)
 
 
@@ -83,10 +84,10 @@ def test_rewrite_cond_to_switch(dispatch_pt2, tmp_path, capsys):
     assert main(["rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch"]) == 0
     text = capsys.readouterr().out
     assert "(cond_to_switch: modified)" in text
-    rows = {line[:22].strip(): line[22:].split() for line in text.splitlines()[2:10]}
+    rows = {line[:25].strip(): line[25:].split() for line in text.splitlines()[2:12]}
     assert rows["cond"] == ["3", "0"] and rows["switch"] == ["0", "1"]
     assert rows["subgraphs"] == ["6", "4"]
-    assert "conds_removed: 3" in text
+    assert "conds removed: 3" in text
     rewritten = bs.load(out)
     assert graph_stats(rewritten).control_flow == {"cond": 0, "switch": 1, "while_loop": 0}
     before = bs.load(dispatch_pt2)
@@ -160,3 +161,107 @@ def test_python_m_branchyard_bad_path_has_no_traceback(tmp_path):
     done = _run("rewrite", "nope.pt2", "-o", "out.pt2", "--passes", "cond_to_switch", cwd=tmp_path)
     assert done.returncode == 1
     assert "nope.pt2': no such file" in _one_error_line(done.stderr)
+
+
+# -- the first hour: version, pipes, sizes, words, logging ----------------------------------------
+
+
+def test_version(capsys):
+    from branchyard import __version__
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"branchyard {__version__}"
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone away."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        raise ValueError("no file")
+
+
+def test_a_closed_pipe_ends_quietly_with_sigpipes_status(dispatch_pt2, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["inspect", str(dispatch_pt2)]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_python_m_branchyard_inspect_into_a_closed_pipe(dispatch_pt2, tmp_path):
+    """`inspect FILE | head`: the reader is gone before the first line is written."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "branchyard", "inspect", str(dispatch_pt2)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141
+    assert "Broken pipe" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--dim", "--size"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_example_refuses_an_empty_size(flag, value, tmp_path, capsys):
+    out = tmp_path / "x.pt2"
+    with pytest.raises(SystemExit) as exc:
+        main(["example", "cond-tree", "-o", str(out), flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_rewrite_report_is_in_words_and_skips_are_counted_once(dispatch_pt2, tmp_path, capsys):
+    out = tmp_path / "all.pt2"
+    assert main(["rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch,nvgemm"]) == 0
+    text = capsys.readouterr().out
+    assert "switches indexed by the dispatch value itself (idx == k chains): 1" in text
+    for raw in ("dispatch_index", "general_index", "specs: []", "conds_removed"):
+        assert raw not in text
+    assert "matmuls left as they are: 4" in text
+    (skip,) = [line for line in text.splitlines() if "addmm already applies" in line]
+    assert skip.startswith("  4 skips at node 'linear_default'")
+    assert "inputs of the program" in text and "placeholders, all graphs" in text
+
+
+def test_inspect_says_which_placeholders_it_counts_and_groups_alike_chains(dispatch_pt2, capsys):
+    assert main(["inspect", str(dispatch_pt2)]) == 0
+    out = capsys.readouterr().out
+    assert "program: 10 inputs (parameters and buffers included); 6 subgraphs; all graphs together:" in out
+    assert "4 chains (linear_default in 4 graphs): bias" in out
+    assert out.count("nvgemm declines") == 1
+
+
+def test_passes_prints_plain_text(capsys):
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out and "module docstring" not in out
+    assert "Fuse matmul + epilogue chains into branchyard.fused_gemm_epilogue." in out
+
+
+def test_verbose_shows_the_branchyard_logger_with_each_step(dispatch_pt2, tmp_path, capsys):
+    out = tmp_path / "v.pt2"
+    assert main(["-v", "rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch"]) == 0
+    err = capsys.readouterr().err
+    for step in ("load", "cond_to_switch", "save"):
+        assert re.search(rf"^branchyard: {step}: done in \d+\.\d s$", err, re.M), err
+    assert main(["rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch"]) == 0
+    assert capsys.readouterr().err == ""  # quiet without -v
+
+
+def test_rewrite_shows_a_progress_bar_on_a_terminal(dispatch_pt2, tmp_path, monkeypatch, capsys):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main(["rewrite", str(dispatch_pt2), "-o", str(tmp_path / "p.pt2"), "--passes", "cond_to_switch"]) == 0
+    assert "3/3" in term.getvalue() and "step" in term.getvalue()

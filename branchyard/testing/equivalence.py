@@ -4,11 +4,12 @@
 (yours or ours): give it the program before and after the transform and one
 set of example inputs. It
 
-1. finds every control decision of ``before`` -- each ``cond`` predicate and
-   each ``switch`` index, at any nesting depth -- and the graph inputs each
-   one depends on (a backward slice that follows branch operands out to the
-   top-level inputs), together with the constants the decision compares
-   against;
+1. finds every control decision of ``before`` *and* of ``after`` -- each
+   ``cond`` predicate and each ``switch`` index, at any nesting depth -- and
+   the graph inputs each one depends on (a backward slice that follows branch
+   operands out to the top-level inputs), together with the constants the
+   decision compares against (both programs' boundaries are probed, so a
+   threshold that moved, ``x > 0`` -> ``x > 0.1``, is driven at both values);
 2. drives those inputs: a 0-d bool takes both values; a 0-d integer takes
    every compared constant and its neighbours, every switch index, ``-1``,
    ``n`` and far out-of-range values; a float tensor takes sign flips, scaled
@@ -54,7 +55,6 @@ import itertools
 import math
 import operator
 import random
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -401,7 +401,7 @@ def _variants(v: Any, consts: set[float], thresholds: set[float],
                 _Variant("x+1", v + 1)]
         return core, [_Variant("x*3", v * 3)]
     core = [_Variant("x", v), _Variant("-x", -v)]
-    for c in sorted(thresholds)[:4]:
+    for c in sorted(thresholds)[:8]:
         for d in (-0.5, 0.0, 0.5):
             core.append(_Variant(f"all {c + d:g}", torch.full_like(v, c + d)))
     ext = [_Variant("x*3", v * 3), _Variant("x*-3", v * -3), _Variant("x/3", v / 3), _Variant("x/-3", v / -3),
@@ -506,14 +506,53 @@ class EquivalenceReport:
         return "\n".join(lines)
 
 
-_EXAMPLE = re.compile(r"\bx\b")
+#: How a driven input was made from the example value, in words (variant label -> text).
+_MADE_FROM = {
+    "x": "the example value",
+    "-x": "the example value negated",
+    "~x": "the example value inverted",
+    "x+1": "the example value plus 1",
+    "x*3": "the example value times 3",
+    "x*-3": "the example value times -3",
+    "x/3": "the example value divided by 3",
+    "x/-3": "the example value divided by -3",
+    "zeros": "all zeros",
+}
+
+
+def show_value(value: Any, *, max_elements: int = 8) -> str:
+    """A value as a person reads it: a number, a small tensor's elements, or a
+    large tensor's dtype, shape and range."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    if value.numel() == 1 and value.dim() == 0:
+        return repr(value.item())
+    if value.numel() <= max_elements:
+        items = value.detach().flatten().tolist()
+        text = ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in items)
+        shape = "" if value.dim() == 1 else f" shape {list(value.shape)}"
+        return f"[{text}]{shape}"
+    if value.numel() == 0:
+        return f"empty {str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)}"
+    flat = value.detach().flatten()
+    if value.dtype == torch.bool:
+        spread = f"{int(flat.sum())} True"
+    else:
+        spread = f"min {flat.min().item():.4g}, max {flat.max().item():.4g}"
+    return f"{str(value.dtype).removeprefix('torch.')} tensor of shape {list(value.shape)} ({spread})"
 
 
 def _describe(names: list[str], choice: dict[int, _Variant]) -> str:
-    """``idx=3, flag=True, z=-z``: variant labels are written in terms of
-    ``x``, the example value; name it after the input."""
-    parts = [f"{names[i]}={_EXAMPLE.sub(names[i], v.label)}" for i, v in sorted(choice.items())]
-    return ", ".join(parts) or "example inputs"
+    """``idx = 3; x = [-0.5, 1.25] (the example value negated)``: each driven
+    input's value, and how it was made where that says more than the value."""
+    parts = []
+    for i, v in sorted(choice.items()):
+        how = _MADE_FROM.get(v.label)
+        if how is None and v.label.startswith("all ") and isinstance(v.value, torch.Tensor) and v.value.numel() > 1:
+            how = f"every element {v.label[4:]}"
+        text = f"{names[i]} = {show_value(v.value)}"
+        parts.append(f"{text} ({how})" if how and v.label != "x" else text)
+    return "; ".join(parts) or "the example inputs"
 
 
 def assert_equivalent(
@@ -562,8 +601,16 @@ def assert_equivalent(
             hint="pass the positional arguments the program is called with",
         )
 
+    # Inputs are driven at the decisions of both programs: a threshold that
+    # after moved (x > 0 became x > 0.1) is probed at both values, where the
+    # reference's own boundaries alone would pass it with full coverage.
+    probed = list(sites)
+    other = progs["after"] if ref is progs["before"] else progs["before"]
+    if other.gm is not None and other is not ref:
+        if len([n for n in other.gm.graph.nodes if n.op == "placeholder"]) == len(flat):
+            probed += find_control_sites(other.gm)
     control: dict[int, tuple[set[float], set[float], set[int]]] = {}
-    for s in sites:
+    for s in probed:
         for i in s.inputs:
             consts, thresholds, sizes = control.setdefault(i, (set(), set(), set()))
             consts.update(s.constants)
@@ -592,8 +639,7 @@ def assert_equivalent(
             actual, path_a = progs["after"].run(args)
         except Exception as exc:
             raise EquivalenceError(
-                f"after raised {type(exc).__name__}: {exc}\n  before took: {format_path(path_b)}",
-                where=f"inputs ({what})",
+                f"after raised {type(exc).__name__}: {exc}\n  inputs: {what}\n  before took: {format_path(path_b)}"
             ) from exc
         if path_b is not None:
             paths["before"][path_b] += 1
@@ -605,9 +651,8 @@ def assert_equivalent(
         problem = _first_difference(pytree.tree_leaves(expected), pytree.tree_leaves(actual), rtol, atol)
         if problem is not None:
             err = EquivalenceError(
-                f"programs disagree\n  before took: {format_path(path_b)}\n  after took:  {format_path(path_a)}\n"
-                f"  first difference: {problem}",
-                where=f"inputs ({what})",
+                f"programs disagree\n  inputs: {what}\n  before took: {format_path(path_b)}\n"
+                f"  after took:  {format_path(path_a)}\n  first difference: {problem}"
             )
             err.path_before, err.path_after, err.difference = path_b, path_a, problem
             raise err
@@ -635,9 +680,10 @@ def assert_equivalent(
                 if tuple(v.label for v in combo) not in done:
                     run_combo(combo)
     else:
-        compare(example, "example inputs")
+        compare(example, "the example inputs")
     for k, args in enumerate(input_sets):
-        compare(tuple(args), f"input_sets[{k}]")
+        compare(tuple(args), f"input_sets[{k}]: " + _describe(names, {i: _Variant("", a) for i, a in
+                                                                     enumerate(pytree.tree_leaves(tuple(args)))}))
 
     if runs == 0:
         raise EquivalenceError(

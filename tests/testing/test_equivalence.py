@@ -3,6 +3,8 @@ of a disagreement, refuses to pass on incomplete coverage."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -132,7 +134,7 @@ def test_graph_module_and_module_arguments():
 def test_swapped_switch_leaves_are_caught_on_that_path():
     args = (torch.tensor(0), X)
     good, bad = _export(Switch3(), *args), _export(Switch3(order=(0, 2, 1)), *args)
-    with pytest.raises(EquivalenceError, match=r"(?s)inputs \(idx=1\).*before took: switch -> 1.*max abs diff") as info:
+    with pytest.raises(EquivalenceError, match=r"(?s)inputs: idx = 1\n.*before took: switch -> 1.*max abs diff") as info:
         assert_equivalent(good, bad, args)
     assert info.value.path_before == (Decision("switch", "switch", "1"),)
     assert info.value.path_after == (Decision("switch", "switch", "1"),)
@@ -143,7 +145,7 @@ def test_swapped_switch_leaves_are_caught_on_that_path():
 def test_wrong_out_of_range_clamp_is_caught_and_named():
     args = (torch.tensor(0), X)
     good, bad = _export(Switch3(), *args), _export(Switch3(wrap_negative=True), *args)
-    with pytest.raises(EquivalenceError, match=r"(?s)idx=-1\).*switch -> 0 \(index -1 clamped\).*switch -> 2") as info:
+    with pytest.raises(EquivalenceError, match=r"(?s)inputs: idx = -1\n.*switch -> 0 \(index -1 clamped\).*switch -> 2") as info:
         assert_equivalent(good, bad, args)
     assert info.value.path_before == (Decision("switch", "switch", "0", raw_index=-1),)
 
@@ -166,7 +168,7 @@ def test_index_wrapped_by_modulus_instead_of_clamped_is_caught():
 
     args = (torch.tensor(0), X)
     chain = _export(EqChain(), *args)
-    with pytest.raises(EquivalenceError, match=r"(?s)inputs \(idx=-3\).*cond -> false, cond\[false\]/cond -> false"):
+    with pytest.raises(EquivalenceError, match=r"(?s)inputs: idx = -3\n.*cond -> false, cond\[false\]/cond -> false"):
         assert_equivalent(chain, _export(Wrapped(), *args), args)
 
 
@@ -260,7 +262,7 @@ def test_explicit_input_sets_are_compared_too():
     # Driving never scales x past 50, so this passes ...
     assert_equivalent(ep, wrong_for_big_x, args)
     # ... until an explicit input set reaches the bad region.
-    with pytest.raises(EquivalenceError, match=r"inputs \(input_sets\[0\]\)"):
+    with pytest.raises(EquivalenceError, match=r"inputs: input_sets\[0\]: flag = False; idx = 2; x = \["):
         assert_equivalent(ep, wrong_for_big_x, args, input_sets=[(torch.tensor(False), torch.tensor(2), X * 100)])
 
 
@@ -336,3 +338,54 @@ def test_swapping_two_switch_branches_is_always_caught(spec):
     assert not isinstance(info.value, IncompleteCoverageError)
     taken = [d for d in info.value.path_after if d.site == sw.name]
     assert taken and taken[0].branch in {"0", str(last)}
+
+
+# --- readable inputs, and both programs' boundaries probed ------------------------------------------
+
+
+class Threshold(torch.nn.Module):
+    def __init__(self, at: float = 0.0):
+        super().__init__()
+        self.at = at
+
+    def forward(self, x):
+        return torch.cond(x.max() > self.at, lambda t: t * 2, lambda t: t - 1, (x,))
+
+
+def test_a_shifted_predicate_threshold_is_caught():
+    """The reference compares with 0, the rewrite with 0.1: probing only the
+    reference's boundary (values at -0.5, 0, 0.5) covers both branches of both
+    and agrees everywhere; the rewrite's own boundary (0.1) is where they differ."""
+    x = torch.tensor([0.3, -0.7])
+    before, after = _export(Threshold(0.0), x), _export(Threshold(0.1), x)
+    with pytest.raises(EquivalenceError, match=r"(?s)inputs: x = \[0\.1, 0\.1\] \(every element 0\.1\)\n"
+                                               r"  before took: cond -> true\n  after took:  cond -> false"):
+        assert_equivalent(before, after, (x,))
+    with pytest.raises(EquivalenceError, match="cond -> false"):
+        assert_equivalent(after, before, (x,))  # either way round
+    assert_equivalent(before, _export(Threshold(0.0), x), (x,))  # and the same threshold still passes
+
+
+def test_failure_names_each_input_with_its_value_and_how_it_was_made():
+    x = torch.tensor([0.5, -1.25, 2.0])
+
+    def negated_wrong(x):
+        return x * 2 if x.max() > 0 else x - 2  # the reference subtracts 1
+
+    with pytest.raises(EquivalenceError) as info:
+        assert_equivalent(_export(Threshold(0.0), x), negated_wrong, (x,))
+    text = str(info.value)
+    line = next(l for l in text.splitlines() if l.startswith("  inputs: "))
+    assert "-x" not in line and "x=" not in line
+    assert re.fullmatch(r"  inputs: x = \[[-\d., ]+\]( \(.+\))?", line), line
+
+
+def test_show_value_reads_like_a_person_writes_values():
+    from branchyard.testing.equivalence import show_value
+
+    assert show_value(torch.tensor(3)) == "3"
+    assert show_value(torch.tensor(True)) == "True"
+    assert show_value(torch.tensor([0.5, -1.0])) == "[0.5, -1]"
+    assert show_value(torch.ones(2, 2)) == "[1, 1, 1, 1] shape [2, 2]"
+    assert show_value(torch.arange(20.0).reshape(4, 5)) == "float32 tensor of shape [4, 5] (min 0, max 19)"
+    assert show_value(torch.zeros(0, 3)) == "[] shape [0, 3]"

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -65,6 +66,17 @@ from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tra
 from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, is_tracing, signature_of
 
 __all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "ShapesFallbackWarning", "resolve_spec"]
+
+
+logger = logging.getLogger("branchyard")
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _describe(spec: ShapesSpec) -> str:
+    return ", ".join(v.describe_range() for v in spec.vars.values()) or "no ShapeVars"
 
 
 def resolve_spec(fn: Any, spec: ShapesSpec | dict | None) -> ShapesSpec:
@@ -93,6 +105,7 @@ _warned: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
+    logger.info("%s", message)
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, ShapesFallbackWarning, stacklevel=4)
@@ -220,6 +233,7 @@ def export(
     insert_dim_checks(ep.graph_module, var_of_symbol)
     # for checked_module(): the spec and the signature its keys name
     ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
+    logger.info("shapes.export %s: %s; range constraints %s", _name(fn), _describe(spec), dict(ep.range_constraints))
     return ep
 
 
@@ -522,6 +536,7 @@ def make_fx(
         insert_runtime_asserts(gm, inputs.shape_env, inputs.var_of_symbol())
         gm.meta["branchyard_shape_symbols"] = {n: s.node.expr for n, s in inputs.symbols.items()}
         gm.register_forward_pre_hook(_InputCheck(spec, sig, names, call_args))
+        logger.info("shapes.make_fx %s: %s; %d nodes", _name(fn), _describe(spec), len(gm.graph.nodes))
         return gm
 
     return trace
@@ -650,7 +665,9 @@ class _OneRangeCheckPerVar:
         self.dropped = 0  # range asserts removed so far, over all graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
-        self.dropped += drop_implied_range_checks(gm)
+        dropped = drop_implied_range_checks(gm)
+        self.dropped += dropped
+        logger.debug("shapes.compile: dropped %d range checks implied by Eq ties", dropped)
         return self.inner(gm, example_inputs, **kwargs)
 
     def reset(self) -> None:  # torch._dynamo.reset() resets backends that have it
@@ -752,4 +769,5 @@ def compile(
         if attached_native is None:
             compile_kwargs["dynamic_shapes"] = to_torch_spec(spec, fn)
         compiled = torch.compile(fn, **compile_kwargs)
+    logger.info("shapes.compile %s: %s", _name(fn), _describe(spec))
     return SpecCompiled(fn, spec, compiled, validate)

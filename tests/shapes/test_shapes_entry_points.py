@@ -847,3 +847,22 @@ def test_make_fx_graph_checks_varargs_keyword_only_and_kwargs_inputs():
         gm(torch.ones(5, 8), (torch.ones(5, 8),), torch.ones(7), {"m": torch.ones(5, 8)})
     with pytest.raises(SpecViolationError, match=r"kw\['m'\] dim 0 has size 6, but ShapeVar 'b' is 5 from x dim 0"):
         gm(torch.ones(5, 8), (torch.ones(5, 8),), torch.ones(8), {"m": torch.ones(6, 8)})
+
+
+def test_entry_points_log_what_they_did_through_the_branchyard_logger(caplog):
+    b = ShapeVar("b", min=2, max=16)
+    spec = {"x": (b, 4), "y": (b, 4)}
+    args = (torch.ones(3, 4), torch.ones(3, 4))
+    with caplog.at_level("DEBUG", logger="branchyard"):
+        shapes.export(add3_two, args, spec=spec)
+        shapes.make_fx(add3_two, spec=spec)(*args)
+        shapes.compile(add3_two, spec=spec, backend="eager")(*args)
+    messages = [r.getMessage() for r in caplog.records if r.name == "branchyard"]
+    assert "shapes.export add3_two: 2 <= b <= 16; range constraints {u0: VR[2, 16]}" in messages
+    assert any(m.startswith("shapes.make_fx add3_two: 2 <= b <= 16; ") for m in messages)
+    assert "shapes.compile add3_two: 2 <= b <= 16" in messages
+    assert "shapes.compile: dropped 2 range checks implied by Eq ties" in messages
+
+
+def add3_two(x, y):
+    return x + y

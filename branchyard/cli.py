@@ -175,11 +175,14 @@ class _Progress:
         return out
 
     def around(self, label: str, pass_: Any) -> None:
-        """Count ``pass_`` as one step when the pipeline runs it."""
+        """Count ``pass_`` as one step when the pipeline runs it (the pass logs its own time)."""
         call = pass_.call
 
         def counted(graph_module: Any) -> Any:
-            return self.step(label, lambda: call(graph_module))
+            self.bar.set_postfix_str(label)
+            out = call(graph_module)
+            self.bar.update(1)
+            return out
 
         pass_.call = counted
 

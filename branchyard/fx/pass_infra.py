@@ -36,6 +36,7 @@ import abc
 import contextlib
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Sequence, TypeVar
 
@@ -132,8 +133,12 @@ class BranchyardPass(PassBase):
         logger.debug("%s", entry)
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        start = time.perf_counter()
         with gc_paused() if self.pause_gc else contextlib.nullcontext():
-            return self._call(graph_module)
+            result = self._call(graph_module)
+        logger.info("%s: %s in %.2f s", self.name, "modified" if result.modified else "unchanged",
+                    time.perf_counter() - start)
+        return result
 
     def _call(self, graph_module: GraphModule) -> PassResult:
         self.report = PassReport(self.name)

@@ -19,7 +19,7 @@ with status 1; usage errors exit with status 2 (argparse's convention). A
 reader that closes the pipe early (``inspect X | head``) ends the output
 quietly, with the status of a process ended by SIGPIPE (141), as ``cat``
 does. ``-v`` shows the ``branchyard`` logger's INFO messages on stderr
-(``-vv``: DEBUG); ``rewrite`` shows a progress bar on a terminal.
+(``-vv``: DEBUG); ``rewrite`` and ``inspect`` show a progress bar on a terminal.
 :func:`main` takes ``argv`` and returns the exit status, so it can be called
 in-process::
 
@@ -98,7 +98,9 @@ def parse_pass_names(text: str) -> list[str]:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from branchyard.inspection import inspect_program
 
-    summary = inspect_program(load_program(args.program))
+    with _Progress(2, args.program) as progress:
+        program = progress.step("load", lambda: load_program(args.program))
+        summary = progress.step("inspect", lambda: inspect_program(program))
     if args.json:
         print(json.dumps({"program": str(args.program), **summary.to_dict()}, indent=2))
     else:

@@ -266,3 +266,10 @@ def test_rewrite_shows_a_progress_bar_on_a_terminal(dispatch_pt2, tmp_path, monk
     monkeypatch.setattr(sys, "stderr", term)
     assert main(["rewrite", str(dispatch_pt2), "-o", str(tmp_path / "p.pt2"), "--passes", "cond_to_switch"]) == 0
     assert "3/3" in term.getvalue() and "step" in term.getvalue()
+
+
+def test_inspect_logs_its_steps_with_v(dispatch_pt2, capsys):
+    assert main(["-v", "inspect", str(dispatch_pt2)]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^branchyard: load: done in \d+\.\d s$", err, re.M), err
+    assert re.search(r"^branchyard: inspect: done in \d+\.\d s$", err, re.M), err

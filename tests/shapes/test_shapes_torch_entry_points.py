@@ -149,3 +149,24 @@ def test_plain_torch_compile_of_a_derived_dim_logs_nothing():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "36"
     assert "ERROR" not in done.stderr and "Traceback" not in done.stderr and "E1" not in done.stderr, done.stderr
+
+
+def test_decorated_instance_whose_forward_has_defaults_keyword_only_and_varargs():
+    """The frame Dynamo compiles carries forward's own parameters, whatever their kinds."""
+
+    class Mixed(torch.nn.Module):
+        def forward(self, x, bias=1.0, *extra, scale, **named):
+            out = x * scale + bias
+            for e in extra:
+                out = out + e
+            return out + named.get("shift", 0.0)
+
+    model = dynamic_spec({"x": (batch, 4), "extra": [(batch, 4)]})(Mixed())
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=counter)
+    for n in (2, 5, 9):
+        x, e = torch.randn(n, 4), torch.randn(n, 4)
+        torch.testing.assert_close(compiled(x, 0.5, e, scale=3.0, shift=1.0), x * 3.0 + 0.5 + e + 1.0)
+    assert counter.frame_count == 1
+    with pytest.raises(SpecViolationError, match=r"extra\[0\] dim 0 has size 3, but ShapeVar 'batch' is 4"):
+        compiled(torch.randn(4, 4), 0.5, torch.randn(3, 4), scale=3.0)

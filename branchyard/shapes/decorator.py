@@ -193,17 +193,24 @@ def dynamic_spec(spec: ShapesSpec | dict[str, Any]) -> Callable[[T], T]:
 
     def decorate(obj: T) -> T:
         if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
-            forward = obj.__dict__.get("forward", obj.forward)  # inherited: this class gets its own
-            _check_attachable(forward, spec)
+            own = obj.__dict__.get("forward")
+            if own is not None:
+                _check_attachable(own, spec)  # a spec on this class's own forward already: two declarations
+                forward = own
+            else:  # inherited: this class gets its own forward, with its own spec
+                forward = _without_spec(obj.forward)
+                check_spec_matches_signature(spec, signature_of(forward), where=obj.__qualname__)
             _require_python_function(forward)
             new = _module_forward(forward, spec)
             _set_spec(new, spec, new)
             obj.forward = new  # type: ignore[method-assign]
             return obj
         if isinstance(obj, torch.nn.Module):
-            # Only this instance: bind a fresh forward to it.
-            forward = type(obj).forward
-            _check_attachable(obj.forward, spec)
+            # Only this instance: bind a fresh forward to it (its class's spec, if any, gives way).
+            if "forward" in obj.__dict__:
+                _check_attachable(obj.__dict__["forward"], spec)
+            forward = _without_spec(type(obj).forward)
+            check_spec_matches_signature(spec, signature_of(obj), where=type(obj).__qualname__)
             _require_python_function(forward)
             new = _module_forward(forward, spec)
             _set_spec(new, spec, new)
@@ -222,6 +229,15 @@ def dynamic_spec(spec: ShapesSpec | dict[str, Any]) -> Callable[[T], T]:
         return checked  # type: ignore[return-value]
 
     return decorate
+
+
+def _without_spec(forward: Any) -> Any:
+    """The function under a forward that :func:`dynamic_spec` made (inherited from a
+    decorated class), so that a new spec replaces the old instead of stacking on it."""
+    func = getattr(forward, "__func__", forward)
+    if getattr(func, SPEC_ATTR, None) is not None and hasattr(func, "__wrapped__"):
+        return func.__wrapped__
+    return func
 
 
 def _require_python_function(forward: Any) -> None:

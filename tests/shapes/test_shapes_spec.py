@@ -282,3 +282,24 @@ def test_negative_constant_and_shrinking_dims_are_refused(dim, message):
     value = eval(dim, {"b": b, "h": h}) if isinstance(dim, str) else dim
     with pytest.raises(ShapeSpecError, match=message):
         ShapesSpec({"x": (b, value), "y": (h,)})
+
+
+def test_a_subclass_or_an_instance_replaces_its_decorated_class_spec_but_one_object_takes_one_spec():
+    a, b = ShapeVar("a", max=8), ShapeVar("b", min=3, max=16)
+
+    @dynamic_spec({"input": (a, 4)})
+    class Base(torch.nn.Linear):
+        pass
+
+    @dynamic_spec({"input": (b, 4)})
+    class Sub(Base):
+        pass
+
+    assert get_spec(Base(4, 2)).vars == {"a": a} and get_spec(Sub(4, 2)).vars == {"b": b}
+    with pytest.raises(SpecViolationError, match="outside ShapeVar 'b'"):
+        Sub(4, 2)(torch.ones(2, 4))  # Sub checks its own spec, not Base's
+    inst = dynamic_spec({"input": (b, 4)})(Base(4, 2))
+    assert get_spec(inst).vars == {"b": b} and get_spec(Base(4, 2)).vars == {"a": a}
+    assert inst(torch.ones(5, 4)).shape == (5, 2)
+    with pytest.raises(ShapeSpecError, match="already attached"):
+        dynamic_spec({"input": (a, 4)})(inst)

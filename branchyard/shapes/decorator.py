@@ -80,10 +80,16 @@ def _set_spec(fn: Callable[..., Any], spec: ShapesSpec, owner: Any) -> None:
         setattr(fn, NATIVE_SPEC_ATTR, to_torch_spec(spec, owner))
 
 
-@torch._dynamo.disable  # the check runs in Python, never inside a compiled graph
-def _check_call(spec: ShapesSpec, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
+def _check(spec: ShapesSpec, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
     if not is_tracing(args, kwargs):
         bind(spec, None, args, kwargs, sig=sig)
+
+
+@functools.cache
+def _check_outside_dynamo() -> Callable[..., None]:
+    # the check runs in Python, never inside a compiled graph; made on first use,
+    # so that importing branchyard.shapes does not import torch._dynamo (~1.4 s)
+    return torch._dynamo.disable(_check)
 
 
 def _skip_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,6 +100,7 @@ def _skip_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
     from torch._dynamo.eval_frame import skip_code
 
     skip_code(fn.__code__)
+    _check_outside_dynamo()  # made now: a first call from the wrapper would be a frame Dynamo compiles
     return fn
 
 
@@ -104,7 +111,7 @@ def _checked_function(fn: Callable[..., Any], spec: ShapesSpec) -> Callable[...,
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():  # inlined by Dynamo into a caller's graph: no check
-            _check_call(spec, sig, args, kwargs)
+            _check_outside_dynamo()(spec, sig, args, kwargs)
         return fn(*args, **kwargs)
 
     return _skip_frame(checked)
@@ -167,7 +174,7 @@ def _module_forward(forward: Callable[..., Any], spec: ShapesSpec) -> Callable[.
     @functools.wraps(func)
     def forward_with_spec(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
-            _check_call(spec, sig, args, kwargs)
+            _check_outside_dynamo()(spec, sig, args, kwargs)
         return frame(func, self, *args, **kwargs)
 
     for attr in (SPEC_ATTR, NATIVE_SPEC_ATTR):  # functools.wraps copies __dict__

@@ -85,7 +85,7 @@ def test_torch_compile_of_a_decorated_model_compiles_once_for_every_batch_size(m
 def test_out_of_spec_input_is_a_spec_violation_on_the_first_and_any_later_compiled_call(make):
     model = make()
     counter = CompileCounterWithBackend("eager")
-    first = torch.compile(model, backend=counter)
+    first = torch.compile(model, backend=counter, fullgraph=True)  # the check is no graph break
     with pytest.raises(SpecViolationError, match=r"dim 0 has size 1, outside ShapeVar 'batch' \(2 <= batch <= 512\)"):
         first(*inputs(model, 1))
     assert counter.frame_count == 0  # refused before Dynamo saw the frame
@@ -170,3 +170,13 @@ def test_decorated_instance_whose_forward_has_defaults_keyword_only_and_varargs(
     assert counter.frame_count == 1
     with pytest.raises(SpecViolationError, match=r"extra\[0\] dim 0 has size 3, but ShapeVar 'batch' is 4"):
         compiled(torch.randn(4, 4), 0.5, torch.randn(3, 4), scale=3.0)
+
+
+def test_importing_shapes_does_not_import_dynamo():
+    """The decorator's Dynamo hooks are made on first use: importing the package stays cheap."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = "import sys, branchyard.shapes; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

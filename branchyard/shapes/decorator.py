@@ -87,9 +87,28 @@ def _check(spec: ShapesSpec, sig: inspect.Signature, args: tuple, kwargs: dict) 
 
 @functools.cache
 def _check_outside_dynamo() -> Callable[..., None]:
-    # the check runs in Python, never inside a compiled graph; made on first use,
-    # so that importing branchyard.shapes does not import torch._dynamo (~1.4 s)
-    return torch._dynamo.disable(_check)
+    """``_check`` for a wrapper's frame: as is when no Dynamo frame hook is active
+    (an eager call), else disabled for Dynamo, so that it runs as Python and
+    never inside a compiled graph. Made on first use: importing branchyard.shapes
+    does not import torch._dynamo (~1.4 s)."""
+    disabled = torch._dynamo.disable(_check)
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # a torch without it: always the disabled form (~10 us more per call)
+        return disabled
+
+    def check(spec: ShapesSpec, sig: inspect.Signature, args: tuple, kwargs: dict) -> None:
+        (_check if get_eval_frame_callback() is None else disabled)(spec, sig, args, kwargs)
+
+    skip_code_of(check)
+    return check
+
+
+def skip_code_of(fn: Callable[..., Any]) -> None:
+    """Dynamo runs ``fn``'s frames as Python (and still compiles the frames they call)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
 
 
 def _skip_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,9 +116,7 @@ def _skip_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
     (what ``torch.compiler.disable(recursive=False)`` does, without a wrapper
     that refuses torch.export): so the spec check runs before Dynamo
     fakifies, and guards, the inputs."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(fn.__code__)
+    skip_code_of(fn)
     _check_outside_dynamo()  # made now: a first call from the wrapper would be a frame Dynamo compiles
     return fn
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.utils import _pytree as pytree
 
 from branchyard.errors import ShapeSpecError, SpecViolationError
 from branchyard.shapes.shape_var import DimExpr, ShapeVar
@@ -83,10 +82,18 @@ def is_tracing(args: tuple, kwargs: dict | None = None) -> bool:
         return True
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for leaf in pytree.tree_leaves((args, kwargs or {})):
-        if isinstance(leaf, (torch.SymInt, torch.fx.Proxy, FakeTensor)):
-            return True
-        if isinstance(leaf, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in leaf.shape):
+    # a plain walk, not pytree: this runs on every call of a decorated callable
+    stack: list[Any] = [args, kwargs] if kwargs else [args]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if isinstance(value, FakeTensor) or any(isinstance(d, torch.SymInt) for d in value.shape):
+                return True
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (torch.SymInt, torch.fx.Proxy)):
             return True
     return False
 
@@ -180,12 +187,17 @@ def bind(
         raise SpecViolationError(f"arguments do not match the signature {sig}: {e}") from e
     # Check defaults too, but keep ``arguments`` as passed: a traced program
     # takes the inputs the caller gave, not every defaulted parameter.
-    with_defaults = sig.bind(*args, **(kwargs or {}))
-    with_defaults.apply_defaults()
+    given = arguments.arguments
+    if all(name in given for name in spec.params):
+        values = given
+    else:
+        with_defaults = inspect.BoundArguments(sig, dict(given))
+        with_defaults.apply_defaults()
+        values = with_defaults.arguments
     leaves = [
         leaf
         for name, entry in spec.params.items()
-        for leaf in _iter_leaves(entry, with_defaults.arguments[name], name, (name,))
+        for leaf in _iter_leaves(entry, values[name], name, (name,))
     ]
     binding = Binding(arguments, leaves)
     derived: list[tuple[str, DimExpr, int, str]] = []

@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 import torch
 from torch.fx import Graph, GraphModule
 
-from branchyard.lowering.cuda_graph.handlers import switch
+from branchyard.fx.control_flow import switch
+from branchyard.fx.switch_lowering import lower_switch
 
 __all__ = ["as_graph_module", "trace", "while_loop_module", "switch_module", "cond_module", "cond_tree_module"]
 
@@ -110,58 +111,26 @@ def cond_module(true_fn: Callable | GraphModule, false_fn: Callable | GraphModul
 def cond_tree_module(branches: Sequence[Callable | GraphModule], num_operands: int) -> GraphModule:
     """``forward(index, *operands) -> branches[clamp(index)](*operands)`` as nested conds.
 
-    The structure :func:`branchyard.passes.switch_to_cond` gives a switch (which
-    needs torch >= 2.14's switch operator to run on): the index clamped to
-    ``[0, n-1]``, then a balanced tree ``cond(index <= mid - 1, left, right)`` of
-    ``n - 1`` conds, each branch body inlined in a leaf. ``index`` must be a 0-d
-    integer tensor (a cond predicate is 0-d); outputs are always a tuple::
+    What :func:`branchyard.passes.switch_to_cond` makes of a ``torch.switch``
+    (which needs torch >= 2.14's switch operator to run on), built on any
+    torch: a :func:`switch_module` whose index is clamped to ``[0, n-1]`` as
+    ``torch.switch`` traces it, lowered by the same
+    :func:`branchyard.fx.switch_lowering.lower_switch` -- a balanced tree
+    ``cond(index <= mid - 1, left, right)`` of ``n - 1`` conds, each branch
+    body inlined in a leaf. ``index`` must be a 0-d integer tensor (a cond
+    predicate is 0-d); outputs are always a tuple::
 
         >>> tree = cond_tree_module([lambda x: x + 1, lambda x: x * 10, lambda x: -x], num_operands=1)
         >>> [tree(torch.tensor(i), torch.tensor(2))[0].item() for i in (-4, 0, 1, 2, 9)]
         [3, 3, 20, -2, -2]
     """
-    n = len(branches)
     traced = [as_graph_module(b) for b in branches]
-
-    def leaf(k: int) -> GraphModule:
-        g = Graph()
-        g.placeholder("index")
-        ops = [g.placeholder(f"arg{i}") for i in range(num_operands)]
-        inputs = [p for p in traced[k].graph.nodes if p.op == "placeholder"]
-        out = g.graph_copy(traced[k].graph, dict(zip(inputs, ops)))
-        g.output(tuple(out) if isinstance(out, (tuple, list)) else (out,))
-        return GraphModule(traced[k], g)
-
-    def tree(lo: int, hi: int, clamp: bool = False) -> GraphModule:
-        if hi - lo == 1 and not clamp:
-            return leaf(lo)
-        root = torch.nn.Module()
-        g = Graph()
-        index = g.placeholder("index")
-        ops = [g.placeholder(f"arg{i}") for i in range(num_operands)]
-        if clamp:
-            index = g.call_function(torch.ops.aten.clamp.default, (index, 0, n - 1))
-        if hi - lo == 1:
-            return GraphModule(root, _call_leaf(g, root, leaf(lo), index, ops))
-        mid = (lo + hi) // 2
-        root.left, root.right = tree(lo, mid), tree(mid, hi)
-        pred = g.call_function(torch.ops.aten.le.Scalar, (index, mid - 1))
-        c = g.call_function(torch.ops.higher_order.cond, (pred, g.get_attr("left"), g.get_attr("right"), (index, *ops)))
-        outs = _count_outputs(traced[lo])
-        g.output(tuple(g.call_function(operator.getitem, (c, i)) for i in range(outs)))
-        return GraphModule(root, g)
-
-    return tree(0, n, clamp=True)
-
-
-def _count_outputs(gm: GraphModule) -> int:
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    return len(out) if isinstance(out, (tuple, list)) else 1
-
-
-def _call_leaf(g: Graph, root: torch.nn.Module, leaf: GraphModule, index, ops) -> Graph:
-    # One branch only: call it as a submodule (the lowering walks GraphModule calls).
-    root.leaf = leaf
-    r = g.call_module("leaf", (index, *ops))
-    g.output(tuple(g.call_function(operator.getitem, (r, i)) for i in range(_count_outputs(leaf))))
-    return g
+    out = next(n for n in reversed(traced[0].graph.nodes) if n.op == "output").args[0]
+    gm = switch_module(traced, num_operands, num_outputs=len(out) if isinstance(out, (tuple, list)) else 1)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is switch)
+    with gm.graph.inserting_before(node):
+        clamped = gm.graph.call_function(torch.ops.aten.clamp.default, (node.args[0], 0, len(traced) - 1))
+    node.args = (clamped, *node.args[1:])
+    lower_switch(gm, node)
+    gm.recompile()
+    return gm

@@ -12,8 +12,9 @@ Each pass also has a *function form* built by :func:`apply_pass`: it takes a
 ``torch.export.ExportedProgram`` or a ``torch.fx.GraphModule`` and returns a
 new one of the same kind, leaving its argument untouched.
 
-:class:`Pipeline` runs several passes with torch's ``PassManager``, lints every
-graph (subgraphs included) after each pass, verifies an ExportedProgram at the
+:class:`Pipeline` runs several passes with torch's ``PassManager`` on one
+copy of the program, lints every graph (subgraphs included) of the input once
+and again after each pass that changed it, verifies an ExportedProgram at the
 end, and returns the reports of all passes::
 
     >>> import torch
@@ -38,9 +39,8 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
 
-import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -59,6 +59,7 @@ __all__ = [
     "gc_paused",
     "Pipeline",
     "PipelineResult",
+    "unwrapping_pass_manager_errors",
 ]
 
 logger = logging.getLogger("branchyard")
@@ -106,10 +107,14 @@ class BranchyardPass(PassBase):
     """Base class of branchyard passes.
 
     Subclasses set ``name`` (snake_case; the same name the registry,
-    the command line and reports use) and implement
-    :meth:`run`. After a run that modified the graph, every graph (subgraphs
-    included) is linted and recompiled, so a pass cannot hand back a graph
-    that torch.fx would reject.
+    the command line and reports use) and implement :meth:`run`. After a run
+    that modified the graph every graph (subgraphs included) is recompiled.
+
+    Checking is done once, by whoever drives the pass: called on its own
+    (``pass_(gm)``, torch's ``PassBase.__call__``), the pass lints its input
+    in :meth:`requires` and, when it changed something, its output in
+    :meth:`ensures`; inside a :class:`Pipeline` the pipeline lints instead
+    and calls :meth:`call` directly, so no graph is linted twice.
     """
 
     name: ClassVar[str] = "branchyard_pass"
@@ -132,7 +137,17 @@ class BranchyardPass(PassBase):
         self.report.skips.append(entry)
         logger.debug("%s", entry)
 
+    def requires(self, graph_module: GraphModule) -> None:
+        """Lint the input (a pass called on its own; a :class:`Pipeline` lints for it)."""
+        lint_graph_module(graph_module)
+
+    def ensures(self, graph_module: GraphModule) -> None:
+        """Lint the output if the run changed it (a pass called on its own)."""
+        if self.report.modified:
+            lint_graph_module(graph_module)
+
     def call(self, graph_module: GraphModule) -> PassResult:
+        """Run the pass on ``graph_module`` in place; no checks (see the class docstring)."""
         start = time.perf_counter()
         with gc_paused() if self.pause_gc else contextlib.nullcontext():
             result = self._call(graph_module)
@@ -148,7 +163,6 @@ class BranchyardPass(PassBase):
                 if self.eliminate_dead_code:
                     gm.graph.eliminate_dead_code()
                 gm.recompile()
-            lint_graph_module(graph_module)
         self.report.modified = modified
         return PassResult(graph_module, modified)
 
@@ -205,11 +219,17 @@ class PipelineResult:
 
 
 class Pipeline:
-    """Run passes in order with torch's ``PassManager``.
+    """Run passes in order with torch's ``PassManager``, checking once.
 
-    * ``lint=True`` lints every graph and subgraph before and after each pass;
+    * ``lint=True`` lints every graph and subgraph of the input once (before
+      copying it: a graph that fails lint may not even copy) and of the
+      result after each pass that changed it;
+    * the passes run on one lazily compiled copy, realized once at the end
+      (the input is never mutated);
     * ``steps`` > 1 repeats the whole list until nothing changes (fixed point);
-    * an ExportedProgram is rebuilt with the rewritten graph and verified.
+    * an ExportedProgram is rebuilt with the rewritten graph and verified;
+    * an error raised by a pass reaches the caller as itself, not wrapped in
+      the bare ``Exception`` torch's ``PassManager`` raises.
     """
 
     def __init__(self, passes: Sequence[PassBase], *, lint: bool = True, steps: int = 1) -> None:
@@ -223,28 +243,29 @@ class Pipeline:
         self.lint = lint
         self.steps = steps
 
-    def _manager(self) -> PassManager:
-        pm = PassManager(self.passes, steps=self.steps, run_checks_after_each_pass=self.lint)
-        if self.lint:
-            pm.add_checks(lint_graph_module)
-        return pm
+    def _step(self, p: PassBase) -> Callable[[GraphModule], PassResult]:
+        """``p`` as one PassManager step: run it, then lint what it changed."""
+
+        def step(gm: GraphModule) -> PassResult:
+            # A BranchyardPass's own requires/ensures would lint again: call it bare.
+            res = p.call(gm) if isinstance(p, BranchyardPass) else p(gm)
+            if res is None:
+                raise BranchyardError(f"pass {p!r} returned None instead of a PassResult")
+            if self.lint and res.modified:
+                lint_graph_module(res.graph_module)
+            return res
+
+        step.__name__ = getattr(p, "name", type(p).__name__)
+        return step
 
     def _run(self, gm: GraphModule) -> tuple[GraphModule, bool]:
-        try:
-            res = self._manager()(gm)
-        except BranchyardError:
-            raise
-        except Exception as exc:
-            # PassManager wraps a pass's failure in a bare Exception; surface ours.
-            if isinstance(exc.__cause__, BranchyardError):
-                raise exc.__cause__ from None
-            raise
+        with unwrapping_pass_manager_errors():
+            res = PassManager([self._step(p) for p in self.passes], steps=self.steps)(gm)
         return res.graph_module, bool(res.modified)
 
     def __call__(self, program: Program) -> PipelineResult:
         _check_input(program)
         if self.lint:
-            # Before copying: a graph that fails lint may not even copy.
             lint_graph_module(program if isinstance(program, GraphModule) else program.graph_module)
         if isinstance(program, GraphModule):
             gm, modified = self._run(copy_graph_module(program, lazy=True))
@@ -259,10 +280,34 @@ class Pipeline:
                 holder["modified"] = changed
                 return PassResult(new_gm, changed)
 
-            out = fresh._transform_do_not_use(run_all)
+            with unwrapping_pass_manager_errors():
+                out = fresh._transform_do_not_use(run_all)
             modified = holder.get("modified", False)
             realize_graph_modules(out.graph_module)
             if modified:
                 out.validate()
         reports = [p.report for p in self.passes if isinstance(p, BranchyardPass)]
         return PipelineResult(out, modified, reports)
+
+
+@contextlib.contextmanager
+def unwrapping_pass_manager_errors() -> Iterator[None]:
+    """Re-raise the error a pass raised, which torch's ``PassManager`` (also
+    the one inside ``ExportedProgram``'s transform) wraps in a bare
+    ``Exception("An error occurred when running the ... pass")``, as itself:
+    a :class:`~branchyard.errors.MalformedGraphError` naming the node reaches
+    the caller the same way whether the program was a GraphModule or an
+    ExportedProgram."""
+    try:
+        yield
+    except Exception as exc:
+        inner: BaseException = exc
+        while type(inner) is Exception and isinstance(inner.__cause__, Exception) and str(inner).startswith(_WRAPPED):
+            inner = inner.__cause__
+        if inner is exc:
+            raise
+        raise inner.with_traceback(inner.__traceback__) from None
+
+
+#: How torch's PassManager starts the message of the exception it wraps a pass's error in.
+_WRAPPED = "An error occurred when running the"

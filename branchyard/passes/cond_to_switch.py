@@ -34,10 +34,12 @@ the branches that computed them; ``leaf_of`` walks the tree)::
     # For a dispatch chain on ``idx`` with contiguous constants lo .. lo+n-1:
     index = (clamp(idx - lo, -1, n)) % (n + 1)   # out-of-range -> n, the fall-through
 
-The switch higher-order op indexes its branches directly (only the user
-facing ``torch.switch`` clamps), so the index this pass builds reproduces
-the chain's fall-through for every input, negatives and values >= n
-included. See ``docs/passes.md``.
+A switch clamps its index to the first or last branch (the rule as
+:mod:`branchyard.fx.control_flow` states it), whereas a cond chain sends
+every value it does not match to its fall-through leaf; the index this pass
+builds is always in range, so it reproduces the chain's fall-through for
+every input, negatives and values >= n included, without relying on either
+side of the rule. See ``docs/passes.md``.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from branchyard.fx.control_flow import (
     node_value,
     replace_with_outputs,
 )
-from branchyard.fx.graph_walk import lint_graph_module, realize_graph_modules, rewrite_graphs
+from branchyard.fx.graph_walk import rewrite_graphs
 from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
 
 __all__ = ["CondToSwitch", "cond_to_switch", "find_cond_trees", "CondTree", "inductor_pre_grad_pass"]
@@ -198,7 +200,6 @@ class CondToSwitch(BranchyardPass):
     pause_gc = True
 
     def run(self, graph_module: GraphModule) -> bool:
-        lint_graph_module(graph_module)
         for key in _STATS:
             self.report.stats[key] = 0
         switch_op()  # fail early and clearly on a torch without switch
@@ -254,18 +255,7 @@ def cond_to_switch(program: Program) -> Program:
     >>> [gm(torch.tensor(i), torch.ones(2)).tolist() for i in (-1, 0, 1, 2)]
     [[0.0, 0.0], [2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
     """
-    _lint_program(program)
-    out = apply_pass(program, CondToSwitch())
-    realize_graph_modules(out.graph_module if isinstance(out, torch.export.ExportedProgram) else out)
-    return out
-
-
-def _lint_program(program: Any) -> None:
-    """Lint before the function form copies the graph (a graph that fails
-    lint cannot even be deep-copied)."""
-    gm = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
-    if isinstance(gm, GraphModule):
-        lint_graph_module(gm)
+    return apply_pass(program, CondToSwitch())
 
 
 def _source_hash() -> str:

@@ -31,11 +31,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from branchyard.errors import BranchyardError
+from branchyard.fx.control_flow import TABLE, control_flow_op
+from branchyard.fx.graph_walk import iter_graph_modules
 
 __all__ = [
     "GraphStats",
@@ -49,24 +50,13 @@ __all__ = [
     "inspect_program",
 ]
 
-#: control-flow kind -> (HOP name, index of the operand tuple in its args,
-#: indices of extra operand tuples). while_loop carries (carried, additional).
-_CONTROL_FLOW: dict[str, tuple[int, ...]] = {
-    "cond": (3,),
-    "switch": (2,),
-    "while_loop": (2, 3),
-}
-
-
 def _hop_kind(node: Node) -> str | None:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
-        return None
-    name = node.target.name()
-    return name if name in _CONTROL_FLOW else None
+    op = control_flow_op(node)
+    return op.name if op is not None else None
 
 
 def _operands(node: Node, kind: str) -> int:
-    return sum(len(node.args[i]) for i in _CONTROL_FLOW[kind] if i < len(node.args))
+    return len(TABLE[kind].operands(node))
 
 
 def _graph_labels(gm: GraphModule) -> dict[int, str]:
@@ -121,10 +111,8 @@ def count_control_flow(gm: GraphModule) -> dict[str, int]:
 
 def graph_stats(program: ExportedProgram | GraphModule) -> GraphStats:
     """The :class:`GraphStats` of ``program``."""
-    from branchyard.fx.graph_walk import iter_graph_modules
-
     gm = _as_graph_module(program)
-    counts = dict.fromkeys(_CONTROL_FLOW, 0)
+    counts = dict.fromkeys(TABLE, 0)
     subgraphs = placeholders = nodes = operands = 0
     root_placeholders = len(gm.graph.find_nodes(op="placeholder"))
     for sub in iter_graph_modules(gm):
@@ -300,8 +288,6 @@ def _cond_trees(gm: GraphModule, labels: dict[int, str]) -> list[CondTreeInfo]:
 
 
 def _hop_nodes(gm: GraphModule, labels: dict[int, str], kind: str) -> list[tuple[str, Node]]:
-    from branchyard.fx.graph_walk import iter_graph_modules
-
     return [
         (labels.get(id(sub), "?"), node)
         for sub in iter_graph_modules(gm)
@@ -330,8 +316,6 @@ def _while_loops(gm: GraphModule, labels: dict[int, str]) -> list[WhileLoopInfo]
 
 def _epilogue_chains(gm: GraphModule, labels: dict[int, str]) -> list[EpilogueChainInfo]:
     from branchyard.lowering.nvgemm.matcher import find_epilogue_chains
-    from branchyard.fx.graph_walk import iter_graph_modules
-
     out = []
     for sub in iter_graph_modules(gm):
         for c in find_epilogue_chains(sub):

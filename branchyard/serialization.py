@@ -86,25 +86,6 @@ def _fresh_attr(owner: torch.nn.Module, base: str) -> str:
     return name
 
 
-def _children_first(gm: GraphModule) -> list[GraphModule]:
-    """``gm`` and its nested GraphModules, every module after all of its
-    descendants (each once, shared modules included)."""
-    order: list[GraphModule] = []
-    seen: set[int] = set()
-    stack: list[tuple[GraphModule, bool]] = [(gm, False)]
-    while stack:
-        m, expanded = stack.pop()
-        if expanded:
-            order.append(m)
-            continue
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        stack.append((m, True))
-        stack.extend((c, False) for c in m.children() if isinstance(c, GraphModule))
-    return order
-
-
 def _placeholders(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -264,7 +245,7 @@ def lower_switches_for_save(program: ExportedProgram) -> tuple[ExportedProgram, 
     # it is lowered, so the copies made for shared branch slots need no
     # further lowering, and each graph is scanned and recompiled once (the
     # walk is linear in the program, not quadratic in its switches).
-    for m in _children_first(gm):
+    for m in list(iter_graph_modules(gm, children_first=True)):
         switches = [n for n in m.graph.nodes if _is_switch(n)]
         for node in switches:
             _lower_switch(m, node)

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch._ops import HigherOrderOperator
@@ -81,6 +81,8 @@ __all__ = [
     "TABLE",
     "ControlFlowOp",
     "control_flow_op",
+    "NestedNode",
+    "walk_control_flow",
     "cond",
     "switch",
     "while_loop",
@@ -451,6 +453,20 @@ class ControlFlowOp:
         """The values ``node`` passes to its bodies, unvalidated (for counting)."""
         return tuple(v for i in self.operand_args if i < len(node.args) for v in node.args[i])
 
+    def branches(self, owner: GraphModule, node: Node) -> list[tuple[str, GraphModule]]:
+        """``(label, body graph)`` for each body of ``node``, unvalidated:
+        ``true``/``false``, ``0`` .. ``n-1``, or ``cond_fn``/``body_fn``."""
+        attrs = self.branch_args(node)
+        return [(label, resolve_attr(owner, str(a.target))) for label, a in attrs]
+
+    def branch_args(self, node: Node) -> list[tuple[str, Node]]:
+        """``(label, get_attr node)`` for each body of ``node``."""
+        if self.name == "cond":
+            return [("true", node.args[1]), ("false", node.args[2])]
+        if self.name == "switch":
+            return [(str(k), b) for k, b in enumerate(node.args[1])]
+        return [("cond_fn", node.args[0]), ("body_fn", node.args[1])]
+
 
 #: cond, switch, while_loop: one row each.
 TABLE: dict[str, ControlFlowOp] = {
@@ -469,6 +485,40 @@ def control_flow_op(node: Node) -> ControlFlowOp | None:
         return None
     row = TABLE.get(node.target.name())
     return row if row is not None and row.matches(node) else None
+
+
+@dataclass(frozen=True)
+class NestedNode:
+    """A control-flow node at any depth: the graph that holds it, and the
+    (node, branch label) pairs enclosing it, outermost first."""
+
+    owner: GraphModule
+    node: Node
+    op: ControlFlowOp
+    path: tuple[tuple[Node, str], ...]
+
+    @property
+    def site(self) -> str:
+        """``outer[true]/inner[2]/node``: where the node sits, as a readable path."""
+        return "".join(f"{n.name}[{label}]/" for n, label in self.path) + self.node.name
+
+
+def walk_control_flow(gm: GraphModule, kinds: Sequence[str] = tuple(TABLE)) -> Iterator[NestedNode]:
+    """Every control-flow node of the ``kinds`` in ``gm`` and, depth first,
+    in the bodies of those nodes (a body is entered once per node using it;
+    bodies of other kinds are not entered)."""
+    for node in gm.graph.nodes:
+        yield from _walk_node(gm, node, kinds, ())
+
+
+def _walk_node(owner: GraphModule, node: Node, kinds: Sequence[str], path: tuple) -> Iterator[NestedNode]:
+    op = control_flow_op(node)
+    if op is None or op.name not in kinds:
+        return
+    yield NestedNode(owner, node, op, path)
+    for label, body in op.branches(owner, node):
+        for inner in body.graph.nodes:
+            yield from _walk_node(body, inner, kinds, (*path, (node, label)))
 
 
 def _check_index(node: Node, index: Any) -> None:

@@ -40,17 +40,26 @@ __all__ = [
 ]
 
 
-def iter_graph_modules(gm: GraphModule) -> Iterator[GraphModule]:
-    """``gm`` and every GraphModule reachable from it as a submodule, each once."""
+def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iterator[GraphModule]:
+    """``gm`` and every GraphModule reachable from it as a submodule, each
+    once (a module shared by several parents too): each module before its
+    children, or with ``children_first=True`` after all of its descendants
+    (the order in which rewriting a branch cannot affect a graph already seen)."""
     seen: set[int] = set()
-    stack = [gm]
+    stack: list[tuple[GraphModule, bool]] = [(gm, False)]
     while stack:
-        m = stack.pop()
+        m, expanded = stack.pop()
+        if expanded:
+            yield m
+            continue
         if id(m) in seen:
             continue
         seen.add(id(m))
-        yield m
-        stack.extend(c for c in m.children() if isinstance(c, GraphModule))
+        if children_first:
+            stack.append((m, True))
+        else:
+            yield m
+        stack.extend((c, False) for c in m.children() if isinstance(c, GraphModule))
 
 
 def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[str]], bool],
@@ -59,7 +68,7 @@ def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[st
     of every GraphModule below it (each once, a parent before its children,
     so subgraphs a rewrite creates are visited too); afterwards drop from each
     owner the attributes a rewrite put in ``dead_attrs`` that no ``get_attr``
-    still reads. Returns whether any call changed something."""
+    or ``call_module`` node still uses. Returns whether any call changed something."""
     seen = set() if _seen is None else _seen
     if id(gm) in seen:
         return False
@@ -69,7 +78,7 @@ def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[st
     for node in list(gm.graph.nodes):
         changed |= rewrite(gm, node, dead)
     if dead:
-        live = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        live = {str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
         for name in dead - live:
             delattr(gm, name)
     for child in list(gm.children()):

@@ -66,6 +66,7 @@ from torch.fx import GraphModule, Interpreter, Node
 
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import BranchyardError, EquivalenceError
+from branchyard.fx.control_flow import walk_control_flow
 
 __all__ = [
     "Decision",
@@ -150,13 +151,6 @@ class ControlSite:
     num_branches: int = 2
 
 
-def _branch_modules(gm: GraphModule, node: Node) -> list[tuple[str, GraphModule]]:
-    """(label, branch GraphModule) pairs of a cond/switch node."""
-    if node.target is _COND:
-        return [("true", getattr(gm, node.args[1].target)), ("false", getattr(gm, node.args[2].target))]
-    return [(str(k), getattr(gm, b.target)) for k, b in enumerate(node.args[1])]
-
-
 def _operands(node: Node) -> Sequence:
     return node.args[3] if node.target is _COND else node.args[2]
 
@@ -223,27 +217,21 @@ def _slice(start: Any, chain: tuple) -> tuple[set[int], set[float], set[float]]:
 def find_control_sites(gm: GraphModule) -> list[ControlSite]:
     """Every ``cond``/``switch`` in ``gm`` and its branches, depth first."""
     sites: list[ControlSite] = []
-
-    def walk(g: GraphModule, prefix: str, chain: tuple) -> None:
-        for node in g.graph.nodes:
-            if not _is_control(node):
-                continue
-            site = f"{prefix}{node.name}"
-            branches = _branch_modules(g, node)
-            labels = [label for label, _ in branches]
-            decision = node.args[0]
-            if node.target is not _COND:
-                raw = _clamp_source(node)
-                if raw is not None:
-                    labels += ["below range", "above range"]
-                    decision = raw
-            inputs, consts, thresholds = _slice(decision, chain)
-            sites.append(ControlSite(site, "cond" if node.target is _COND else "switch", node, labels,
-                                     inputs, consts, thresholds, len(branches)))
-            for label, sub in branches:
-                walk(sub, f"{site}[{label}]/", (node, chain))
-
-    walk(gm, "", ())
+    for nested in walk_control_flow(gm, kinds=("cond", "switch")):
+        node = nested.node
+        labels = [label for label, _ in nested.op.branch_args(node)]
+        num_branches = len(labels)
+        decision = node.args[0]
+        if nested.op.name == "switch":
+            raw = _clamp_source(node)
+            if raw is not None:
+                labels += ["below range", "above range"]
+                decision = raw
+        chain: tuple = ()
+        for hop, _ in nested.path:
+            chain = (hop, chain)
+        inputs, consts, thresholds = _slice(decision, chain)
+        sites.append(ControlSite(nested.site, nested.op.name, node, labels, inputs, consts, thresholds, num_branches))
     return sites
 
 

@@ -433,7 +433,7 @@ class CudaGraphModule(torch.nn.Module):
         validate(self.gm, inputs, self.ctx)  # structural errors raise here, on any machine
         self.sites = list(self.ctx.sites)
         if device is None:
-            return self._fall_back(self._why_no_device(inputs))
+            return self._fall_back(self._why_no_device())
         from branchyard.lowering.cuda_graph.conditional_nodes import cuda_bindings_available
 
         reason = cuda_bindings_available()
@@ -457,7 +457,7 @@ class CudaGraphModule(torch.nn.Module):
         return torch.device("cuda", torch.cuda.current_device())
 
     @staticmethod
-    def _why_no_device(inputs: Sequence[Any]) -> str:
+    def _why_no_device() -> str:
         return "torch.cuda.is_available() is False (no CUDA device)"
 
     def _fall_back(self, reason: str) -> None:

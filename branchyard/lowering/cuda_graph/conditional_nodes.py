@@ -26,7 +26,7 @@ Semantics of the kernels, as Python (``n`` = number of SWITCH bodies)::
             counter.count = 0 if reset else counter.count + 1
             if v and counter.count >= counter.limit: counter.exhausted, v = True, False
         h = v; h_else = not v                             # h_else: the IF + IF lowering of if/else
-    set_index(h, i, n):      h = min(max(i, 0), n - 1)          # torch.ops.higher_order.switch clamps
+    set_index(h, i, n):      h = min(max(i, 0), n - 1)          # switch clamps (branchyard.fx.control_flow)
     set_onehot(hs, i, n):    hs[k] = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
     copy4(pairs):            dst[:] = src[:] for up to 4 dense (dst, src) pairs, one kernel node
 

@@ -42,9 +42,10 @@ __all__ = [
 
 def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iterator[GraphModule]:
     """``gm`` and every GraphModule reachable from it as a submodule, each
-    once (a module shared by several parents too): each module before its
-    children, or with ``children_first=True`` after all of its descendants
-    (the order in which rewriting a branch cannot affect a graph already seen)."""
+    once (a module shared by several parents too), depth first with
+    siblings in definition order: each module before its children, or with
+    ``children_first=True`` after all of its descendants (the order in which
+    rewriting a branch cannot affect a graph already seen)."""
     seen: set[int] = set()
     stack: list[tuple[GraphModule, bool]] = [(gm, False)]
     while stack:
@@ -59,7 +60,7 @@ def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iter
             stack.append((m, True))
         else:
             yield m
-        stack.extend((c, False) for c in m.children() if isinstance(c, GraphModule))
+        stack.extend(reversed([(c, False) for c in m.children() if isinstance(c, GraphModule)]))
 
 
 def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[str]], bool],

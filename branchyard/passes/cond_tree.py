@@ -62,6 +62,7 @@ from branchyard.fx.control_flow import (
     placeholders,
     returns_sequence,
 )
+from branchyard.fx.graph_walk import iter_graph_modules
 from branchyard.passes.leaf_dedup import group_identical
 
 __all__ = [
@@ -566,13 +567,7 @@ def find_cond_trees(gm: GraphModule) -> list[CondTree]:
     subgraphs, outermost first. Analysis only: ``gm`` is not modified."""
     trees: list[CondTree] = []
     absorbed: set[Node] = set()
-    stack = [gm]
-    seen: set[int] = set()
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    for m in iter_graph_modules(gm):
         for node in m.graph.nodes:
             if not is_cond(node) or node in absorbed:
                 continue
@@ -581,5 +576,4 @@ def find_cond_trees(gm: GraphModule) -> list[CondTree]:
                 trees.append(tree)
                 assert tree._plan is not None
                 absorbed.update(c.parts.node for c in tree._plan.conds)
-        stack.extend(reversed([c for c in m.children() if isinstance(c, GraphModule)]))
     return trees

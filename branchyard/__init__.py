@@ -1,6 +1,8 @@
 """branchyard: graph-compiler passes for control flow and dynamic shapes.
 
+* :mod:`branchyard.fx` -- the ground floor: control-flow operators in a graph, nested-graph walks, pass infrastructure
 * :mod:`branchyard.passes` -- graph -> graph (``cond_to_switch``, ``switch_to_cond``)
+* :mod:`branchyard.registry` -- every pass by its one name, loaded on first use
 * :mod:`branchyard.shapes` -- ``ShapeVar`` / ``dynamic_spec`` -> unbacked symbolic sizes
 * :mod:`branchyard.lowering` -- graph -> CUDA graphs with conditional nodes, fused NVGEMM kernels
 * :mod:`branchyard.testing` -- helpers for testing your own graph transforms

@@ -68,7 +68,6 @@ from branchyard.fx.control_flow import (
     erase_dead_inputs,
     graph_outputs,
     inline_graph,
-    is_switch,
     new_graph_module,
     node_value,
     placeholders,
@@ -78,7 +77,7 @@ from branchyard.fx.control_flow import (
     switch_parts,
 )
 
-__all__ = ["LoweredSwitch", "lower_switch", "is_switch_call"]
+__all__ = ["LoweredSwitch", "lower_switch"]
 
 aten = torch.ops.aten
 
@@ -87,11 +86,6 @@ _LE = {
     "tensor": aten.le.Scalar,
     "symint": operator.le,
 }
-
-
-def is_switch_call(node: Node) -> bool:
-    """Whether ``node`` is a switch: the torch operator or the Python :func:`~branchyard.fx.control_flow.switch`."""
-    return is_switch(node) or (node.op == "call_function" and node.target is switch)
 
 
 @dataclass

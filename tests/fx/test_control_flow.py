@@ -37,6 +37,8 @@ def test_table_has_one_row_per_operator_and_recognises_nodes(loop_ep):
     gm = loop_ep.graph_module
     (loop,) = [n for n in gm.graph.nodes if cf.control_flow_op(n) is not None]
     assert cf.control_flow_op(loop) is cf.TABLE["while_loop"] and cf.is_while_loop(loop)
+    assert isinstance(cf.TABLE["while_loop"].parts(gm, loop), cf.WhileLoopParts)
+    assert [cf.TABLE[k].semantics for k in ("cond", "switch", "while_loop")] == [cf.cond, cf.switch, cf.while_loop]
     assert not cf.is_cond(loop) and not cf.is_switch(loop)
     assert cf.TABLE["while_loop"].operands(loop) == tuple(loop.args[2]) + tuple(loop.args[3])
     assert [label for label, _ in cf.TABLE["while_loop"].branches(gm, loop)] == ["cond_fn", "body_fn"]

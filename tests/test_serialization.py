@@ -382,9 +382,7 @@ def test_round_trip_of_a_stack_of_switches_feeding_each_other(tmp_path):
 
 
 def test_children_first_order_visits_each_module_after_its_descendants(nested):
-    from branchyard.serialization import _children_first
-
-    order = _children_first(nested.graph_module)
+    order = list(iter_graph_modules(nested.graph_module, children_first=True))  # the walk save() uses
     position = {id(m): k for k, m in enumerate(order)}
     assert len(position) == len(list(iter_graph_modules(nested.graph_module)))
     assert order[-1] is nested.graph_module

@@ -64,9 +64,8 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Interpreter, Node
 
-from branchyard._compat import HAS_SWITCH
 from branchyard.errors import BranchyardError, EquivalenceError
-from branchyard.fx.control_flow import walk_control_flow
+from branchyard.fx.control_flow import COND, SWITCH, TABLE, is_cond, is_switch, walk_control_flow
 
 __all__ = [
     "Decision",
@@ -79,8 +78,6 @@ __all__ = [
     "format_path",
 ]
 
-_COND = torch.ops.higher_order.cond
-_SWITCH = torch.ops.higher_order.switch if HAS_SWITCH else None
 _CLAMPS = {torch.ops.aten.clamp.default, torch.ops.aten.clamp.Tensor} if hasattr(torch.ops.aten, "clamp") else set()
 #: Far out-of-range switch indices to try (before dtype limits are applied).
 _FAR = 1 << 20
@@ -152,11 +149,11 @@ class ControlSite:
 
 
 def _operands(node: Node) -> Sequence:
-    return node.args[3] if node.target is _COND else node.args[2]
+    return TABLE["cond" if is_cond(node) else "switch"].operands(node)
 
 
 def _is_control(node: Node) -> bool:
-    return node.op == "call_function" and (node.target is _COND or (_SWITCH is not None and node.target is _SWITCH))
+    return is_cond(node) or is_switch(node)
 
 
 def _clamp_source(node: Node) -> Node | None:
@@ -287,9 +284,9 @@ def _run_switch(rec: _Recorder, node: Node, index: Any, branches: Sequence[Graph
 
 
 #: How each control-flow operator is run and recorded (one row per operator).
-_HANDLERS: dict[Any, Callable[..., Any]] = {_COND: _run_cond}
-if _SWITCH is not None:
-    _HANDLERS[_SWITCH] = _run_switch
+_HANDLERS: dict[Any, Callable[..., Any]] = {COND: _run_cond}
+if SWITCH is not None:
+    _HANDLERS[SWITCH] = _run_switch
 
 
 def run_recording(gm: GraphModule, *args: Any) -> tuple[Any, Path]:

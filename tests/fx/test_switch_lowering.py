@@ -122,3 +122,34 @@ def test_expert_dispatch_round_trip_is_no_bigger_than_the_original():
     x = torch.randn(4, 16)
     for k in range(-1, 10):  # every expert and both out-of-range sides
         torch.testing.assert_close(back.module()(x, torch.tensor(k)), ep.module()(x, torch.tensor(k)))
+
+
+def _branch_reading(k: int, used: list[int]):
+    """A branch of three operands that reads exactly the operands in ``used``."""
+    if not used:
+        return lambda a, b, c: torch.full((3,), float(k))
+    return lambda a, b, c: sum((a, b, c)[i] * (i + 1) for i in used) + float(k)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_switches_lower_to_the_same_function_with_minimal_operands(seed):
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    used = [sorted(rng.sample(range(3), rng.randint(0, 3))) for _ in range(n)]
+    branches = [_branch_reading(k, u) for k, u in enumerate(used)]
+    gm, sw = python_switch_module(branches, 3)
+    lowered = lower_switch(gm, sw)
+    gm.recompile()
+    assert lowered.conds_created == n - 1
+    read_anywhere = {f"op{i}" for u in used for i in u}
+    assert set(operand_names(lowered.root)) - {"index"} == read_anywhere
+    for owner, node in conds(gm):
+        names = set(operand_names(node)) - {"index"}
+        # a cond never passes an operand that no branch below it reads
+        assert names <= read_anywhere, (names, read_anywhere)
+    args = (X, W, B)
+    for i in range(-2, n + 2):
+        want = cf.switch(torch.tensor(i), branches, args)[0]
+        torch.testing.assert_close(gm(torch.tensor(i), *args)[0], want, msg=f"seed {seed} index {i} used {used}")

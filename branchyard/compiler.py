@@ -250,17 +250,23 @@ def _symbol_range(program: torch.export.ExportedProgram, size: Any) -> tuple[int
 
 
 def _check_against_program(program: torch.export.ExportedProgram, flat: Sequence[Any]) -> None:
-    """Inputs vs the program's placeholders: static dims equal, dynamic dims in range (no spec case)."""
+    """Tensor inputs vs the program's tensor placeholders: static dims equal, dynamic dims in range.
+
+    Used where there is no spec. Non-tensor inputs (ints the program specialised on, or
+    sizes Dynamo passes) are the lowering's to check: a CUDA graph is captured per value.
+    """
     user_inputs = set(program.graph_signature.user_inputs)
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
-    if len(placeholders) != len(flat):
-        raise SpecViolationError(f"expected {len(placeholders)} inputs, got {len(flat)}", where="compiled program call")
-    for node, x in zip(placeholders, flat):
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            continue
-        if not isinstance(x, torch.Tensor):
-            raise SpecViolationError(f"expected a tensor, got {type(x).__name__}", where=f"input {node.name!r}")
+    placeholders = [
+        n for n in program.graph.nodes
+        if n.op == "placeholder" and n.name in user_inputs and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if len(placeholders) != len(tensors):
+        raise SpecViolationError(
+            f"expected {len(placeholders)} tensor inputs, got {len(tensors)}", where="compiled program call"
+        )
+    for node, x in zip(placeholders, tensors):
+        val = node.meta["val"]
         if x.dim() != val.dim() or x.dtype != val.dtype:
             raise SpecViolationError(
                 f"got {x.dtype} of {x.dim()} dims {tuple(x.shape)}, the program was exported for {val.dtype} of "

@@ -231,3 +231,13 @@ def test_data_dependent_branch_output_is_refused_or_right():
         assert "export" in str(err) or "node" in str(err)
         return
     torch.testing.assert_close(fast(x), _DataDependentBranch()(x))
+
+
+def test_torch_compile_backend_with_sizes_dynamo_passes_as_ints(model):
+    # dynamic=True: Dynamo's graph takes the batch size as an int input besides the tensors
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="branchyard", dynamic=True)
+    for batch in (3, 5):
+        x = torch.randn(batch, 16)
+        torch.testing.assert_close(compiled(x, torch.tensor(2))[1], model(x, torch.tensor(2))[1])
+    torch._dynamo.reset()

@@ -51,30 +51,20 @@ PROG = "branchyard"
 logger = logging.getLogger("branchyard")
 
 
-def load_program(path: str | os.PathLike) -> Any:
-    """Read a ``.pt2`` (switches included) with :func:`branchyard.serialization.load`."""
+def load_program(path: str | os.PathLike, *, trusted: bool = False) -> Any:
+    """Read a ``.pt2`` (switches included) with :func:`branchyard.serialization.load`;
+    ``trusted`` (``--trust``) allows a file whose loading runs code it carries."""
     from branchyard.serialization import load
 
-    # torch.export.load logs the whole traceback of an unreadable archive at
-    # WARNING before load() turns it into one SerializationError line.
-    torch_log = logging.getLogger("torch.export")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
-    try:
-        return load(str(path))
-    finally:
-        torch_log.setLevel(level)
+    return load(str(path), trusted=trusted)
 
 
 def save_program(program: Any, path: str | os.PathLike) -> None:
-    """Write ``program`` to a ``.pt2`` with :func:`branchyard.serialization.save`;
-    a missing output folder is an error naming it, not a traceback."""
-    from branchyard.errors import SerializationError
+    """Write ``program`` to a ``.pt2`` with :func:`branchyard.serialization.save`
+    (atomically: a failed save leaves an existing file as it was); a missing
+    output folder or a folder given as the output is an error naming it."""
     from branchyard.serialization import save
 
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise SerializationError("output folder does not exist", where=str(parent), hint="create it first")
     save(program, str(path))
 
 
@@ -99,7 +89,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from branchyard.inspection import inspect_program
 
     with _Progress(2, args.program) as progress:
-        program = progress.step("load", lambda: load_program(args.program))
+        program = progress.step("load", lambda: load_program(args.program, trusted=args.trust))
         summary = progress.step("inspect", lambda: inspect_program(program))
     if args.json:
         print(json.dumps({"program": str(args.program), **summary.to_dict()}, indent=2))
@@ -139,9 +129,11 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if not out.resolve().parent.is_dir():
         raise BranchyardError("output folder does not exist", where=str(out.resolve().parent), hint="create it first")
+    if out.is_dir():
+        raise BranchyardError("the output is a directory", where=str(out), hint="give a file name, e.g. -o out.pt2")
     passes = [get_pass(n) for n in names]
     with _Progress(len(passes) + 2, args.input) as progress:
-        program = progress.step("load", lambda: load_program(args.input))
+        program = progress.step("load", lambda: load_program(args.input, trusted=args.trust))
         for name, p in zip(names, passes):
             progress.around(name, p)
         result = Pipeline(passes)(program)
@@ -282,6 +274,10 @@ def _cmd_passes(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRUST_HELP = ("load a file that needs full unpickling or evaluates code (refused by default); "
+               "loading it runs code the file carries, so only for files you trust")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of ``python -m branchyard``."""
     from branchyard.examples.expert_dispatch import EXAMPLES
@@ -295,12 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="list cond trees, switches, while loops, matmul+epilogue chains")
     p.add_argument("program", help="an exported program (.pt2)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     p.set_defaults(run=_cmd_inspect)
 
     p = sub.add_parser("rewrite", help="run passes on a program and write the result")
     p.add_argument("input", help="the exported program to read (.pt2)")
     p.add_argument("-o", "--output", required=True, help="where to write the rewritten program (.pt2)")
     p.add_argument("--passes", required=True, help="comma-separated pass names, run in order (see `passes`)")
+    p.add_argument("--trust", action="store_true", help=_TRUST_HELP)
     p.set_defaults(run=_cmd_rewrite)
 
     p = sub.add_parser("example", help="write a shipped example program")

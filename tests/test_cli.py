@@ -142,7 +142,10 @@ def test_usage_errors_exit_2(capsys):
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # The checkout under test, not whichever branchyard is installed.
+    root = str(Path(bs.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "branchyard", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

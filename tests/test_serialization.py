@@ -74,23 +74,27 @@ def _structure(ep: ExportedProgram) -> list[tuple[int, int]]:
     return sorted((len(n.args[1]), len(n.args[2])) for n in _hops(ep, torch.ops.higher_order.switch))
 
 
-def _norm(arg):
+def _norm(arg, names):
     if isinstance(arg, torch.fx.Node):
-        return arg.name
+        return names.get(arg, arg.name)
     if isinstance(arg, (list, tuple)):  # torch's own deserializer turns cond's operand tuple into a list
-        return [_norm(a) for a in arg]
+        return [_norm(a, names) for a in arg]
     return repr(arg)
 
 
 def _code(ep: ExportedProgram) -> list:
     """Every graph as (op, target, name, args) rows: equal lists mean the
     same program, node for node. A placeholder's target (the Python argument
-    name, which torch's deserializer resets to the node name) is left out."""
-    return sorted(
-        [(n.op, n.op == "placeholder" or str(n.target), n.name, _norm(n.args), _norm(dict(n.kwargs)))
-         for n in gm.graph.nodes]
-        for gm in iter_graph_modules(ep.graph_module)
-    )
+    name, which torch's deserializer resets to the node name) is left out,
+    and a subgraph's inputs are numbered (a restored branch names them after
+    the switch's operands)."""
+    rows = []
+    for gm in iter_graph_modules(ep.graph_module):
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        names = {} if gm is ep.graph_module else {n: f"input{k}" for k, n in enumerate(phs)}
+        rows.append([(n.op, n.op == "placeholder" or str(n.target), names.get(n, n.name),
+                      _norm(n.args, names), _norm(dict(n.kwargs), names)) for n in gm.graph.nodes])
+    return sorted(rows)
 
 
 @pytest.fixture()

@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import os
+import threading
 from typing import Union
 
 import torch
@@ -56,6 +57,10 @@ restore_switches = decode_switches
 
 PathLike = Union[str, "os.PathLike[str]"]
 logger = logging.getLogger("branchyard")
+# torch.export.save swaps a process-global pickle reducer while it writes;
+# two threads saving at once make it raise ("Refusing to stomp on existing
+# FakeTensor reducer").
+_TORCH_SAVE_LOCK = threading.Lock()
 
 
 def _where(file: object) -> str:
@@ -96,7 +101,8 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     logger.debug("saving %s: %d switch(es) encoded as cond trees", where, count)
 
     def write(target: str | io.BytesIO) -> None:
-        torch.export.save(encoded, target, extra_files={MARKER_FILE: marker})
+        with _TORCH_SAVE_LOCK:
+            torch.export.save(encoded, target, extra_files={MARKER_FILE: marker})
 
     try:
         if isinstance(path, (str, os.PathLike)):

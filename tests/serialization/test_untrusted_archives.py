@@ -407,3 +407,21 @@ def test_guard_grammar(text, ok):
     from branchyard.serialization.archive import check_guard
 
     assert (check_guard(text) is None) == ok
+
+
+def test_a_node_calling_a_python_function_is_refused(good, tmp_path):
+    """A graph node whose target is ``torch.os.system`` (the deserializer
+    resolves ``torch.*`` names with getattr) never reaches a caller: torch's
+    verifier, which load runs, allows only operators."""
+    marker = tmp_path / "marker"
+
+    def change(doc):
+        doc["verifiers"] = []
+        node = next(n for n in doc["graph_module"]["graph"]["nodes"] if n["target"] == "torch.ops.aten.mul.Tensor")
+        node["target"] = "torch.os.system"
+        node["inputs"] = [{"name": "command", "arg": {"as_string": f"touch {marker}"}, "kind": 1}]
+
+    crafted = rewrite(good, tmp_path / "system.pt2", edit_json("models/model.json", change))
+    with pytest.raises(SerializationError, match=r"system\.pt2.*not an allowed operator"):
+        branchyard.load(crafted).module()(torch.ones(3))
+    assert not marker.exists()

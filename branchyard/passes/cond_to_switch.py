@@ -34,6 +34,11 @@ the branches that computed them; ``leaf_of`` walks the tree)::
     # For a dispatch chain on ``idx`` with contiguous constants lo .. lo+n-1:
     index = (clamp(idx - lo, -1, n)) % (n + 1)   # out-of-range -> n, the fall-through
 
+Exceptions are preserved both ways: only predicates whose every op is on
+the raise-free allow-list (:mod:`branchyard.passes.raise_free`) are hoisted,
+so ``after`` raises exactly where ``before`` raises; a nested cond whose
+predicate might raise stays nested, with the reason in the report.
+
 A switch clamps its index to the first or last branch (the rule as
 :mod:`branchyard.fx.control_flow` states it), whereas a cond chain sends
 every value it does not match to its fall-through leaf; the index this pass
@@ -64,7 +69,6 @@ from branchyard.passes.cond_tree import (
 from branchyard.fx.control_flow import (
     AttrSink,
     emit,
-    erase_dead_inputs,
     inline_graph,
     is_cond,
     new_graph_module,
@@ -73,6 +77,7 @@ from branchyard.fx.control_flow import (
 )
 from branchyard.fx.graph_walk import rewrite_graphs
 from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
+from branchyard.passes.raise_free import may_raise
 
 __all__ = ["CondToSwitch", "cond_to_switch", "find_cond_trees", "CondTree", "inductor_pre_grad_pass"]
 
@@ -152,6 +157,20 @@ def _dispatch_index(plan: _Plan, hoist: _Hoister, like: Node) -> Node:
     return emit(graph, aten.remainder.Scalar, (x, n + 1), like=like)
 
 
+def _erase_dead_raise_free(graph: torch.fx.Graph, nodes: list[Any]) -> None:
+    """Erase ``nodes`` and, transitively, their inputs once unused -- but only
+    nodes that can never raise: an unused predicate or operand that might
+    raise is still computed, as the original computed it."""
+    work = [n for n in nodes if isinstance(n, Node)]
+    while work:
+        n = work.pop()
+        if n.users or n.graph is not graph or n.op not in ("call_function", "call_method") or may_raise(n):
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        work.extend(inputs)
+
+
 def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
     """Replace ``tree.root`` by one switch (or, when every leaf is identical, by the leaf itself)."""
     plan, owner, root = tree._plan, tree.owner, tree.root
@@ -186,7 +205,7 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
     if result is not None:
         root.replace_all_uses_with(result)
     graph.erase_node(root)
-    erase_dead_inputs(graph, [plan.root.parts.pred, *plan.root.parts.operands])
+    _erase_dead_raise_free(graph, [plan.root.parts.pred, *plan.root.parts.operands])
     for attr in (plan.root.parts.true_attr, plan.root.parts.false_attr):
         if not attr.users:
             dead_attrs.add(str(attr.target))
@@ -261,7 +280,7 @@ def cond_to_switch(program: Program) -> Program:
 def _source_hash() -> str:
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for path in (here / "cond_to_switch.py", here / "cond_tree.py", here / "leaf_dedup.py",
+    for path in (here / "cond_to_switch.py", here / "cond_tree.py", here / "leaf_dedup.py", here / "raise_free.py",
                  here.parent / "fx" / "control_flow.py", here.parent / "fx" / "graph_walk.py"):
         h.update(path.read_bytes())
     return h.hexdigest()

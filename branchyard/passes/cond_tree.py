@@ -8,10 +8,14 @@ when
 * it contains exactly one cond node (two sequential conds would multiply the
   leaves; such a branch stays a leaf and its conds become roots of their own),
 * that cond's predicate is a tensor, and
-* the predicate's backward slice is hoistable: placeholders and pure ops only
-  (no higher-order ops, no in-place or random ops, nothing that can raise or
-  has a data-dependent shape), followed through the enclosing branches up to
-  the root's operands.
+* the predicate's backward slice is hoistable: every op in it is on the
+  raise-free allow-list (:mod:`branchyard.passes.raise_free`: no indexing,
+  no integer division by a tensor, no higher-order, in-place or random op,
+  nothing that can raise for some input value), followed through the
+  enclosing branches up to the root's operands. The switch evaluates every
+  hoisted predicate on every call, also on inputs for which the original
+  never reaches it; an op that is not known never to raise keeps its cond
+  nested (a skip in the report).
 
 The *leaves* are the branch graphs that absorb nothing, in depth-first order,
 true side first. A leaf reached through branches that compute something
@@ -64,6 +68,7 @@ from branchyard.fx.control_flow import (
 )
 from branchyard.fx.graph_walk import iter_graph_modules
 from branchyard.passes.leaf_dedup import group_identical
+from branchyard.passes.raise_free import may_raise, raise_reason
 
 __all__ = [
     "CondTree",
@@ -176,49 +181,15 @@ class _Plan:
 # ---------------------------------------------------------------------------
 # Hoistability: what may be computed outside the branch that contains it.
 
-#: Ops that are functional but may raise on some inputs or produce
-#: data-dependent shapes; computing them unconditionally could fail on
-#: inputs where the branch holding them is never taken.
-_NOT_HOISTABLE = frozenset(
-    [
-        aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.take.default,
-        aten.nonzero.default, aten.masked_select.default, aten.item.default,
-        aten._local_scalar_dense.default, aten.div.Tensor_mode, aten.floor_divide.default,
-        aten.remainder.Tensor, aten.fmod.Tensor, aten._assert_async.msg, aten._assert_scalar.default,
-        aten.multinomial.default, aten.bernoulli.default, aten.rand.default, aten.randn.default,
-        torch.nonzero, torch.masked_select, torch.gather, torch.index_select, torch.div,
-        operator.floordiv, operator.mod, operator.truediv,
-    ]
-)
-_NOT_HOISTABLE_METHODS = frozenset(["item", "tolist", "nonzero", "gather", "index_select", "div", "numpy"])
-
-
 def _op_reason(node: Node) -> str | None:
-    """Why ``node`` may not be hoisted, or None if it may."""
-    if node.op == "get_attr":
-        return f"it reads attribute '{node.target}'"
-    if node.op == "call_method":
-        name = str(node.target)
-        if name.endswith("_") or name in _NOT_HOISTABLE_METHODS:
-            return f"method '{name}' is in-place, data-dependent or may raise"
-        return None
-    if node.op != "call_function":
-        return f"it is a {node.op} node"
-    target = node.target
-    if isinstance(target, HigherOrderOperator):
+    """Why ``node`` may not be computed where the original does not compute
+    it, or None if it may: only ops on the raise-free allow-list qualify
+    (:mod:`branchyard.passes.raise_free`), so a hoisted predicate can never
+    raise on an input whose path in the original does not reach it."""
+    if node.op == "call_function" and isinstance(node.target, HigherOrderOperator):
         return "it is a higher-order op"
-    if target in _NOT_HOISTABLE:
-        return "it may raise or has a data-dependent shape"
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        if schema.is_mutable:
-            return "it mutates an input"
-        tags = getattr(target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags or torch.Tag.data_dependent_output in tags:
-            return "it is random or data-dependent"
-    if node.is_impure():
-        return "it has side effects"
-    return None
+    why = raise_reason(node)
+    return None if why is None else f"it may raise: {why}"
 
 
 class _Hoistability:
@@ -294,7 +265,10 @@ def _is_trivial(sub: _Sub, parts: CondParts) -> bool:
     for i, o in enumerate(outs):
         if not (isinstance(o, Node) and o.target is operator.getitem and o.args[0] is node and o.args[1] == i):
             return False
-    return not any(n.is_impure() for n in sub.gm.graph.nodes if n.op in ("call_function", "call_method") and n is not node)
+    # Anything else in the branch must be droppable: no effects, and nothing
+    # that might raise (the original computes it whichever leaf is taken).
+    return not any(may_raise(n) for n in sub.gm.graph.nodes
+                   if n.op in ("call_function", "call_method") and n is not node and n.target is not operator.getitem)
 
 
 _EQ_TARGETS: dict[Any, bool] = {
@@ -414,7 +388,8 @@ def _materialize(root: _Cond, leaf: _Sub, sink: AttrSink) -> tuple[Graph, list[N
         chain.reverse()
         out = _inline_chain(g, chain, 0, bind(chain[0].root_args or []), sink)
     g.output(out)
-    g.eliminate_dead_code()
+    # Unused nodes that might raise stay: the original computes them on this path.
+    g.eliminate_dead_code(is_impure_node=may_raise)
     return g, phs
 
 

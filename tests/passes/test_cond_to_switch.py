@@ -402,18 +402,20 @@ def test_lone_cond_is_left_with_reason():
 def test_unhoistable_predicate_keeps_that_cond_as_a_leaf():
     def f(p, q, r, x, y):
         def deepest(x, y, r):
-            # floor division can raise on int zero, so its predicate is not hoisted
+            # integer floor division raises on a zero divisor, so its predicate is not hoisted
             return cond(torch.div(x, y, rounding_mode="floor").sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
 
         mid = lambda x, y, r: cond(r, lambda x, y, r: x * 2, deepest, (x, y, r))  # noqa: E731
         return cond(p, mid, lambda x, y, r: x * 3, (x, y, r))
 
-    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), torch.tensor(True), X, Y)
+    xi, yi = torch.tensor([3, -4, 5]), torch.tensor([2, 3, -1])
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), torch.tensor(True), xi, yi)
     res, p = rewrite(gm)
     assert res.modified
     assert len(switch_nodes(res.graph_module)) == 1 and n_conds(res.graph_module) == 1
-    assert any("cannot be hoisted" in s.reason and "may raise" in s.reason for s in p.report.skips)
-    inputs = [(torch.tensor(a), torch.tensor(b), torch.tensor(c), X * s, Y) for a, b, c in itertools.product((True, False), repeat=3) for s in (1, -1)]
+    assert any("cannot be hoisted" in s.reason and "may raise" in s.reason and "zero divisor" in s.reason
+               for s in p.report.skips)
+    inputs = [(torch.tensor(a), torch.tensor(b), torch.tensor(c), xi * s, yi) for a, b, c in itertools.product((True, False), repeat=3) for s in (1, -1)]
     assert_same(gm, res.graph_module, inputs)
 
 

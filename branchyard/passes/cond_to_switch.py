@@ -59,6 +59,7 @@ from torch.fx import GraphModule, Node
 from branchyard._compat import switch_op
 from branchyard.errors import BranchyardError
 from branchyard.passes.cond_tree import (
+    LEFT_NESTED,
     CondTree,
     _Plan,
     _Sub,
@@ -77,6 +78,7 @@ from branchyard.fx.control_flow import (
 )
 from branchyard.fx.graph_walk import rewrite_graphs
 from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
+from branchyard.passes.flatten_cost import FlattenCostModel
 from branchyard.passes.raise_free import may_raise
 
 __all__ = ["CondToSwitch", "cond_to_switch", "find_cond_trees", "CondTree", "inductor_pre_grad_pass"]
@@ -93,7 +95,8 @@ _WHERE = {
 }
 
 _STATS = ("cond_trees", "conds_removed", "switches_created", "leaves", "branches_after_dedup",
-          "operands_before", "operands_after", "dispatch_index", "general_index")
+          "operands_before", "operands_after", "dispatch_index", "general_index", "conds_kept_nested_by_cost",
+          "trees_left_nested_by_cost")
 
 
 class _Hoister:
@@ -213,10 +216,26 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
 
 
 class CondToSwitch(BranchyardPass):
-    """Flatten every maximal nested-cond tree into one switch (see the module docstring)."""
+    """Flatten nested-cond trees into switches (see the module docstring).
+
+    ``flatten="cost"`` (the default) flattens, per tree, only the top levels
+    that make the program neither larger (placeholders) nor slower (eager
+    dispatch) by :class:`~branchyard.passes.flatten_cost.FlattenCostModel`;
+    deeper levels stay nested inside the switch branches and are considered
+    again as trees of their own, and the report says what was kept and why.
+    ``flatten="all"`` flattens every absorbable tree completely (one switch
+    per tree, the fewest host reads of predicates, whatever it costs).
+    """
 
     name = "cond_to_switch"
     pause_gc = True
+
+    def __init__(self, flatten: str = "cost", cost_model: FlattenCostModel | None = None) -> None:
+        super().__init__()
+        if flatten not in ("cost", "all"):
+            raise BranchyardError(f"flatten={flatten!r} is not one of 'cost', 'all'", where="CondToSwitch")
+        self.flatten = flatten
+        self.cost_model = None if flatten == "all" else (cost_model or FlattenCostModel())
 
     def run(self, graph_module: GraphModule) -> bool:
         for key in _STATS:
@@ -227,9 +246,10 @@ class CondToSwitch(BranchyardPass):
     def _rewrite_tree(self, gm: GraphModule, node: Node, dead_attrs: set[str]) -> bool:
         if not is_cond(node):
             return False
-        tree = analyze_cond_tree(gm, node, self.skip)
+        tree = analyze_cond_tree(gm, node, self.skip, self.cost_model)
         if isinstance(tree, str):
             self.skip(node, tree)
+            self.report.stats["trees_left_nested_by_cost"] += tree.startswith(LEFT_NESTED)
             return False
         _rewrite(tree, dead_attrs)
         self._count(tree)
@@ -247,6 +267,7 @@ class CondToSwitch(BranchyardPass):
         s["operands_before"] += tree.operands_before
         s["operands_after"] += tree.operands_after
         s["dispatch_index" if tree.index_form == "dispatch" else "general_index"] += 1
+        s["conds_kept_nested_by_cost"] += tree.kept_nested
 
     @classmethod
     def as_inductor_pre_grad_pass(cls) -> Any:
@@ -259,9 +280,10 @@ class CondToSwitch(BranchyardPass):
         return __getattr__("inductor_pre_grad_pass")
 
 
-def cond_to_switch(program: Program) -> Program:
+def cond_to_switch(program: Program, flatten: str = "cost") -> Program:
     """Function form of :class:`CondToSwitch`: a rewritten copy of ``program``
     (an ExportedProgram or a GraphModule; the result is of the same kind).
+    ``flatten`` is ``"cost"`` (flatten what pays) or ``"all"``.
 
     >>> import torch
     >>> from torch.fx.experimental.proxy_tensor import make_fx
@@ -274,14 +296,14 @@ def cond_to_switch(program: Program) -> Program:
     >>> [gm(torch.tensor(i), torch.ones(2)).tolist() for i in (-1, 0, 1, 2)]
     [[0.0, 0.0], [2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
     """
-    return apply_pass(program, CondToSwitch())
+    return apply_pass(program, CondToSwitch(flatten))
 
 
 def _source_hash() -> str:
     h = hashlib.sha256()
     here = Path(__file__).parent
     for path in (here / "cond_to_switch.py", here / "cond_tree.py", here / "leaf_dedup.py", here / "raise_free.py",
-                 here.parent / "fx" / "control_flow.py", here.parent / "fx" / "graph_walk.py"):
+                 here / "flatten_cost.py", here.parent / "fx" / "control_flow.py", here.parent / "fx" / "graph_walk.py"):
         h.update(path.read_bytes())
     return h.hexdigest()
 

@@ -81,6 +81,9 @@ __all__ = [
 
 aten = torch.ops.aten
 
+#: How a tree the cost model declines to flatten at all is reported.
+LEFT_NESTED = "left nested by the cost model"
+
 
 @dataclass(frozen=True)
 class _Literal:
@@ -160,6 +163,8 @@ class CondTree:
     is_dispatch_chain: bool
     index_form: str = "general"
     index_note: str = ""
+    #: Conds right below the flattened levels that the cost model kept nested.
+    kept_nested: int = 0
     # What the rewrite needs; not part of the report.
     _plan: "_Plan | None" = field(default=None, repr=False, compare=False)
 
@@ -411,12 +416,28 @@ def _inline_chain(g: Graph, chain: list[_Sub], k: int, args: list[Any], sink: At
     )
 
 
+def _leaves_in_order(root: _Cond) -> list[_Sub]:
+    """The branch graphs that absorb nothing, depth-first, true side first."""
+    out: list[_Sub] = []
+    stack = [root.child(False), root.child(True)]
+    while stack:
+        sub = stack.pop()
+        if sub.nested is None:
+            out.append(sub)
+        else:
+            stack += [sub.nested.child(False), sub.nested.child(True)]
+    return out
+
+
 def analyze_cond_tree(
-    owner: GraphModule, node: Node, on_skip: Callable[[Node | str, str], None] = lambda w, r: None
+    owner: GraphModule, node: Node, on_skip: Callable[[Node | str, str], None] = lambda w, r: None,
+    cost_model: "FlattenCostModel | None" = None,
 ) -> CondTree | str:
     """Analyse the tree rooted at cond ``node`` of ``owner``: a
     :class:`CondTree` (with the plan the rewrite follows), or the reason it
     is not rewritten. Reasons for leaving nested conds out go to ``on_skip``.
+    With a ``cost_model``, only the top levels it finds profitable are
+    absorbed (see :class:`FlattenCostModel`); None absorbs everything it can.
     Raises MalformedGraphError for ill-formed conds."""
     root = _Cond(cond_parts(owner, node), None)
     if not _is_tensor_pred(root.parts.pred):
@@ -460,6 +481,23 @@ def analyze_cond_tree(
         stack += [(child, False), (child, True)]
     if len(conds) == 1:
         return "no nested cond in either branch; a lone cond is left as is"
+    kept: list[_Cond] = []
+    if cost_model is not None:
+        full = max(depth_of.values())
+        levels, why = cost_model.choose_levels(root, conds, depth_of)
+        if levels < full:
+            kept = [c for c in conds if depth_of[id(c)] == levels + 1]
+            note = (f"flattened {levels} of {full} levels; {len(kept)} cond(s) below level {levels} kept nested "
+                    f"(they may form trees of their own): {why}")
+            if levels == 1:
+                return f"{LEFT_NESTED}: {why}"
+            on_skip(node, note)
+            conds = [c for c in conds if depth_of[id(c)] <= levels]
+            for c in kept:
+                assert c.home is not None
+                c.home.nested = None
+            depth_of = {id(c): depth_of[id(c)] for c in conds}
+            leaves = _leaves_in_order(root)
 
     sinks = [AttrSink() for _ in leaves]
     graphs_phs = [_materialize(root, leaf, s) for leaf, s in zip(leaves, sinks)]
@@ -533,6 +571,7 @@ def analyze_cond_tree(
         is_dispatch_chain=isinstance(chain, DispatchChain),
         index_form="dispatch" if dispatch is not None else "general",
         index_note=note,
+        kept_nested=len(kept),
         _plan=plan,
     )
 

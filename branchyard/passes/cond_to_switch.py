@@ -1,11 +1,16 @@
-"""``cond_to_switch``: replace each maximal tree of nested ``torch.cond`` by
-one ``torch.ops.higher_order.switch`` over the tree's leaves.
+"""``cond_to_switch``: replace trees of nested ``torch.cond`` by
+``torch.ops.higher_order.switch`` over the trees' leaves.
 
-Postcondition: no absorbable cond tree of depth >= 2 is left in the graph or
-its subgraphs; each became one switch whose branches are the tree's distinct
-leaves, whose operands are the leaves' outer inputs each passed once, and
-whose index is always in range (or, when every leaf is identical, that leaf's
-body inlined).
+Postcondition: every absorbable cond tree of depth >= 2 in the graph or its
+subgraphs has had its top levels flattened into one switch, as many levels
+as :class:`~branchyard.passes.flatten_cost.FlattenCostModel` finds
+profitable (all of them with ``flatten="all"``), down to the point where
+flattening one more level would add placeholders or eager cost; what lies
+below stays nested inside the switch branches and is itself flattened the
+same way. Each switch's branches are the distinct leaves of the flattened
+part, its operands the leaves' outer inputs each passed once, and its index
+always in range (or, when every leaf is identical, that leaf's body is
+inlined). The program computes and raises exactly what it did before.
 
 Before (``idx == 0 ? a : (idx == 1 ? b : c)`` as export traces it)::
 

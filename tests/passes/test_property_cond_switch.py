@@ -47,6 +47,10 @@ def _nodes(ep, target) -> list[torch.fx.Node]:
     return [n for gm in iter_graph_modules(ep.graph_module) for n in gm.graph.nodes if n.target is target]
 
 
+def _placeholders(ep) -> int:
+    return sum(n.op == "placeholder" for gm in iter_graph_modules(ep.graph_module) for n in gm.graph.nodes)
+
+
 def _nested_conds(ep) -> list[str]:
     """Conds with another cond directly inside one of their branches."""
     out = []
@@ -91,8 +95,14 @@ def test_cond_switch_rewrites_preserve_every_path(spec: CondTreeSpec) -> None:
     assert base.covered == base.required
     assert len(base.required) == 2 * spec.num_conds
 
-    switched = cond_to_switch(ep)
-    assert _nested_conds(switched) == [], "a cond tree of depth >= 2 survived cond_to_switch"
+    # The default flattens what its cost model finds profitable; it must
+    # preserve every path too, and never add placeholders.
+    costed = cond_to_switch(ep)
+    assert _placeholders(costed) <= _placeholders(ep)
+    assert_equivalent(ep, costed, args, max_input_sets=N)
+
+    switched = cond_to_switch(ep, flatten="all")
+    assert _nested_conds(switched) == [], "a cond tree of depth >= 2 survived cond_to_switch(flatten='all')"
     switches = _nodes(switched, SWITCH)
     if spec.depth >= 2:
         assert switches, "cond_to_switch left a nested cond tree without a switch"
@@ -108,7 +118,7 @@ def test_cond_switch_rewrites_preserve_every_path(spec: CondTreeSpec) -> None:
     # The switch program as the reference: every switch branch driven.
     assert_equivalent(switched, lowered, args, max_input_sets=N)
 
-    again = cond_to_switch(lowered)
+    again = cond_to_switch(lowered, flatten="all")
     assert _nested_conds(again) == []
     assert_equivalent(ep, again, args, max_input_sets=N)
 

@@ -40,7 +40,6 @@ import platform
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch._ops import HigherOrderOperator
@@ -69,6 +69,9 @@ from branchyard.fx.control_flow import (
 from branchyard.fx.graph_walk import iter_graph_modules
 from branchyard.passes.leaf_dedup import group_identical
 from branchyard.passes.raise_free import may_raise, raise_reason
+
+if TYPE_CHECKING:  # pragma: no cover
+    from branchyard.passes.flatten_cost import FlattenCostModel
 
 __all__ = [
     "CondTree",

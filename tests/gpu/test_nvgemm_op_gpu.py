@@ -155,7 +155,7 @@ def test_pass_on_a_cuda_gpt2_block(tuner):
     assert len(tuner.results) == 2
 
 
-def test_ineligible_shape_runs_reference_and_says_why_once(tuner):
+def test_ineligible_shape_runs_unfused_and_says_why_once(tuner):
     a, b, ops, spec = _inputs("bias@0;relu", torch.bfloat16, 64, 64, 12)  # K=12: not a multiple of 8
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -165,8 +165,10 @@ def test_ineligible_shape_runs_reference_and_says_why_once(tuner):
     assert len(mine) == 1
     reason = str(mine[0].message)
     assert "K=12 is not a multiple of 8" in reason or "nvidia-cutlass-dsl is unavailable" in reason
-    torch.testing.assert_close(got1.float(), reference_fused_gemm(a, b, ops, spec).float())
-    assert tuner.results == {}, "the reference path must not autotune"
+    torch.testing.assert_close(got1.float(), reference_fused_gemm(a, b, ops, spec).float(), **TOL[torch.bfloat16])
+    # the unfused path: the original program's ops, bit for bit
+    torch.testing.assert_close(got1, torch.relu(a @ b.t() + ops[0]), rtol=0, atol=0)
+    assert tuner.results == {}, "the unfused path must not autotune"
 
 
 @needs_cutedsl

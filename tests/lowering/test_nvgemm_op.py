@@ -207,21 +207,37 @@ def test_layout_ineligibility_reasons():
     assert layout_ineligibility(torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [], 8, 16) is None
 
 
-def test_eligible_path_hands_2d_views_to_the_selected_impl(monkeypatch):
+def _probe_tuner(tmp_path, impl):
+    from branchyard.lowering.nvgemm.candidates import Candidate
+    from branchyard.lowering.nvgemm.tuner import Autotuner
+    from branchyard.lowering.nvgemm.winners import WinnerDB
+
+    return Autotuner([Candidate("probe", lambda problem: impl)], timer=lambda name, fn: 1.0,
+                     db=WinnerDB(tmp_path), env={"gpu": "test"}, progress=False)
+
+
+def test_eligible_path_hands_2d_views_to_the_selected_impl(monkeypatch, tmp_path):
     """With eligibility forced, the op flattens a to [M, K], hands b as [K, N],
     col operands as [N], matrix operands as [M, N], and an out of the spec dtype."""
-    seen = {}
+    from branchyard.lowering.nvgemm import tuner as tuner_mod
+
+    seen = []
 
     def impl(a2d, b_kn, ops, out):
-        seen.update(a=a2d.shape, b=b_kn.shape, ops=[t.shape for t in ops], out=(out.shape, out.dtype))
+        seen.append(dict(a=a2d.shape, b=b_kn.shape, ops=[t.shape for t in ops], out=(out.shape, out.dtype)))
         out.copy_(reference_fused_gemm(a2d, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;residual@1;out=bfloat16")))
 
     monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
-    monkeypatch.setattr(op_mod, "_gpu_impl", lambda *args: impl)
-    a, w = torch.randn(2, 3, 16), torch.randn(8, 16)
-    bias, res = torch.randn(1, 8), torch.randn(2, 3, 8)
-    out = fused_gemm_epilogue(a, w, [bias, res], "w=nk;bias@0;residual@1;out=bfloat16")
-    assert seen == dict(a=(6, 16), b=(16, 8), ops=[(8,), (6, 8)], out=((6, 8), torch.bfloat16))
+    tuner_mod.set_autotuner(_probe_tuner(tmp_path, impl))
+    try:
+        a, w = torch.randn(2, 3, 16), torch.randn(8, 16)
+        bias, res = torch.randn(1, 8), torch.randn(2, 3, 8)
+        for _ in range(3):  # tuned on the first call, a plan lookup after
+            out = fused_gemm_epilogue(a, w, [bias, res], "w=nk;bias@0;residual@1;out=bfloat16")
+    finally:
+        tuner_mod.set_autotuner(None)
+    want = dict(a=(6, 16), b=(16, 8), ops=[(8,), (6, 8)], out=((6, 8), torch.bfloat16))
+    assert seen == [want] * 4  # the tuner's numerics check, then three calls
     assert out.shape == (2, 3, 8) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), (a @ w.t() + bias + res), rtol=1.6e-2, atol=1.6e-2)
 
@@ -281,18 +297,123 @@ def test_rewritten_program_traces_with_make_fx_and_dynamic_batch():
     torch.testing.assert_close(gm(params, x6), ep.module()(x6), rtol=1e-5, atol=1e-5)
 
 
-def test_op_falls_back_when_no_candidate_works(monkeypatch):
-    op_mod.reset_fallback_warnings()
+def test_op_falls_back_once_and_never_retunes_when_no_candidate_works(monkeypatch, tmp_path):
+    from branchyard.lowering.nvgemm import tuner as tuner_mod
 
-    def no_impl(*args):
-        raise LoweringError("no candidate can run M=4", where="nvgemm autotune")
+    op_mod.reset_fallback_warnings()
+    builds = []
+
+    def broken(problem):
+        builds.append(1)
+        raise LoweringError("no kernel for this shape")
 
     monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
-    monkeypatch.setattr(op_mod, "_gpu_impl", no_impl)
-    a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
-    with pytest.warns(NvGemmFallbackWarning, match="autotuning found no working implementation"):
-        got = fused_gemm_epilogue(a, b, ops, str(spec))
+    tuner = _probe_tuner(tmp_path, None)
+    tuner._candidates = [tuner._candidates[0].__class__("broken", broken)]
+    tuner_mod.set_autotuner(tuner)
+    try:
+        a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+        with pytest.warns(NvGemmFallbackWarning, match="autotuning found no working implementation"):
+            got = fused_gemm_epilogue(a, b, ops, str(spec))
+        for _ in range(3):
+            again = fused_gemm_epilogue(a, b, ops, str(spec))
+    finally:
+        tuner_mod.set_autotuner(None)
     torch.testing.assert_close(got, torch.relu(a @ b + ops[0]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, got)
+    assert builds == [1], "a failed tuning is remembered for the signature, not repeated per call"
+
+
+# --- bad input: a correct result through the unfused path, the reason said once ---
+
+
+def _bad_cases():
+    h = torch.float16
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s, dtype=h: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    wide = r(32, 64)
+    return {
+        # name: (a, b, operands, spec, reason fragment)
+        "cpu tensors": (r(4, 16), r(32, 16), [r(32)], "w=nk;bias@0;gelu_tanh;out=float16", "on cpu"),
+        "fp32": (r(4, 16, dtype=torch.float32), r(32, 16, dtype=torch.float32), [r(32, dtype=torch.float32)],
+                 "w=nk;bias@0;relu;out=float32", "input dtype torch.float32"),
+        "mixed dtypes": (r(4, 16), r(32, 16, dtype=torch.bfloat16), [r(32)], "w=nk;bias@0;relu;out=float16",
+                         "weight dtype torch.bfloat16 differs"),
+        "M = 0": (r(0, 16), r(32, 16), [r(32)], "w=nk;bias@0;relu;out=float16", "M = 0"),
+        "K not a multiple of 8": (r(4, 12), r(32, 12), [r(32)], "w=nk;bias@0;relu;out=float16", "K=12"),
+        "N not a multiple of 8": (r(4, 16), r(20, 16), [r(20)], "w=nk;bias@0;relu;out=float16", "N=20"),
+        "non-contiguous weight": (r(4, 32), wide[:, ::2].t(), [r(32)], "w=kn;bias@0;relu;out=float16",
+                                  "neither row-major"),
+        "transposed input": (r(16, 4).t(), r(32, 16), [r(32)], "w=nk;bias@0;relu;out=float16",
+                             "the input [4, 16] has strides"),
+        "strided bias": (r(4, 16), r(32, 16), [r(64)[::2]], "w=nk;bias@0;relu;out=float16", "stride 2"),
+        "misaligned input": (r(4 * 16 + 1)[1:].view(4, 16), r(32, 16), [r(32)], "w=nk;bias@0;relu;out=float16",
+                             "not 16-byte aligned"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bad_cases()))
+def test_bad_input_runs_unfused_with_the_reason_said_once(name, monkeypatch, tmp_path):
+    """Every case reaches the unfused path for its own reason (the device check
+    is passed on CPU so that each later rule is exercised), the result is the
+    original chain's, and a second call says nothing new."""
+    from branchyard.lowering.nvgemm import kernel_config
+    from branchyard.lowering.nvgemm import tuner as tuner_mod
+
+    a, b, ops, text, reason = _bad_cases()[name]
+    if name != "cpu tensors":  # pretend the device and CuTeDSL are there: the layout rules decide
+        monkeypatch.setattr(op_mod, "fused_kernel_ineligibility",
+                            lambda a, b, o, k, n: kernel_config.layout_ineligibility(a, b, o, k, n))
+    tuner_mod.set_autotuner(_probe_tuner(tmp_path, lambda *args: pytest.fail("the fused path must not run")))
+    op_mod.reset_fallback_warnings()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fused_gemm_epilogue(a, b, ops, text)
+            again = fused_gemm_epilogue(a, b, ops, text)
+    finally:
+        tuner_mod.set_autotuner(None)
+    mine = [str(w.message) for w in caught if issubclass(w.category, NvGemmFallbackWarning)]
+    assert len(mine) == 1 and reason in mine[0], mine
+    spec = EpilogueSpec.parse(text)
+    want = reference_fused_gemm(a, b, ops, spec)
+    assert got.shape == want.shape and got.dtype == spec.out_dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(again, got)
+    if a.dtype == b.dtype and a.numel():  # the original program's ops, not the fp32 reference
+        b_kn = b.t() if spec.weight_layout == "nk" else b
+        torch.testing.assert_close(got, unfused_aten_epilogue(a.reshape(-1, a.shape[-1]) @ b_kn, spec, ops),
+                                   rtol=0, atol=0)
+
+
+def test_timing_mode_keys_the_choice_and_rejects_unknown_modes(monkeypatch, tmp_path):
+    from branchyard.lowering.nvgemm import current_timing_mode, timing_mode
+    from branchyard.lowering.nvgemm import tuner as tuner_mod
+
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    calls = []
+
+    def impl(a, b_kn, ops, out):
+        calls.append(current_timing_mode())
+        out.copy_(reference_fused_gemm(a, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")))
+
+    tuner = _probe_tuner(tmp_path, impl)
+    tuner_mod.set_autotuner(tuner)
+    try:
+        a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+        fused_gemm_epilogue(a, b, ops, str(spec))
+        with timing_mode("device"):
+            fused_gemm_epilogue(a, b, ops, str(spec))
+            fused_gemm_epilogue(a, b, ops, str(spec))
+        fused_gemm_epilogue(a, b, ops, str(spec))
+    finally:
+        tuner_mod.set_autotuner(None)
+    timings = sorted(k.split("|timing=")[1] for k in tuner.results)
+    assert timings == ["device", "host"], "one tuning per mode"
+    assert calls == ["host", "host", "device", "device", "device", "host"]  # check+call, check+2 calls, call
+    with pytest.raises(LoweringError, match="timing mode 'graph'"):
+        with timing_mode("graph"):
+            pass
 
 
 def test_backward_matches_eager_and_compile_with_trainable_params():
@@ -334,3 +455,44 @@ def test_fused_ops_inside_cond_branches_survive_save_load_and_decompositions():
     for flag in (True, False):
         f = torch.tensor(flag)
         torch.testing.assert_close(decomposed.module()(x, f), ep.module()(x, f), rtol=1e-5, atol=1e-5)
+
+
+def test_inside_a_capture_the_op_never_tunes_and_uses_the_warm_up_choice(monkeypatch, tmp_path):
+    """CPU stand-in for a CUDA-graph capture (tests/gpu/test_nvgemm_capture_gpu.py
+    captures for real): a signature run before the capture replays its choice,
+    from either timing mode; a signature first seen while capturing runs the
+    unfused ops, says why once, and is not tuned or remembered."""
+    from branchyard.lowering.nvgemm import timing_mode
+    from branchyard.lowering.nvgemm import tuner as tuner_mod
+
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    ran = []
+
+    def impl(a, b_kn, ops, out):
+        ran.append(a.shape[0])
+        out.copy_(reference_fused_gemm(a, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")))
+
+    tuner = _probe_tuner(tmp_path, impl)
+    tuner_mod.set_autotuner(tuner)
+    op_mod.reset_fallback_warnings()
+    capturing = [False]
+    monkeypatch.setattr(op_mod, "_capturing", lambda a: capturing[0])
+    try:
+        a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+        fused_gemm_epilogue(a, b, ops, str(spec))  # eager warm-up, host mode
+        tuned, plans = dict(tuner.results), dict(tuner.call_plans)
+        capturing[0] = True
+        with timing_mode("device"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warm = fused_gemm_epilogue(a, b, ops, str(spec))
+            fresh_a = torch.randn(3, a.shape[1])
+            cold = fused_gemm_epilogue(fresh_a, b, ops, str(spec))
+            fused_gemm_epilogue(fresh_a, b, ops, str(spec))
+    finally:
+        tuner_mod.set_autotuner(None)
+    assert tuner.results == tuned and tuner.call_plans == plans, "nothing tuned or planned while capturing"
+    assert ran == [a.shape[0], a.shape[0], a.shape[0]]  # numerics check, warm-up, the captured call
+    torch.testing.assert_close(warm, torch.relu(a @ b + ops[0]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cold, torch.relu(fresh_a @ b + ops[0]), rtol=1e-5, atol=1e-5)
+    mine = [str(w.message) for w in caught if issubclass(w.category, NvGemmFallbackWarning)]
+    assert len(mine) == 1 and "shape first seen inside a CUDA-graph capture" in mine[0]

@@ -7,7 +7,7 @@ Public entry points:
 * :func:`find_epilogue_chains` -- what the pass would fuse or decline, and why;
 * :data:`EPILOGUE_TABLE` -- the epilogue vocabulary, one row per op;
 * ``torch.ops.branchyard.fused_gemm_epilogue`` -- the fused op (autotuned on
-  CUDA, unfused or reference path elsewhere);
+  CUDA, the unfused ATen ops where it cannot run fused);
 * :func:`timing_mode` -- tell the op how it is run (``"host"``: eager calls,
   ``"device"``: replayed in a CUDA graph), which decides what "fastest" means.
 

@@ -18,13 +18,18 @@ training and ``torch.compile`` with parameters that require grad still work)
 recomputes the chain on the reference path and differentiates that: correct,
 not fused.
 
-Where it runs:
+Where it runs (decided once per call signature -- spec, shapes, strides,
+dtypes, device, timing mode -- so a later call is a lookup and a launch):
 
-* CUDA, ``nvidia-cutlass-dsl`` importable, 16-bit inputs, ``K`` and ``N``
-  multiples of 8 and 16-byte aligned pointers: the autotuned implementation
-  (:mod:`branchyard.lowering.nvgemm.tuner`);
-* otherwise the reference path (the semantics above), with a
-  :class:`NvGemmFallbackWarning` saying why, once per reason.
+* where :func:`~.kernel_config.fused_kernel_ineligibility` finds nothing
+  wrong: the tuned choice (:mod:`branchyard.lowering.nvgemm.tuner`), the
+  unfused chain among the candidates;
+* otherwise, and where tuning found nothing that works: the unfused path
+  (:func:`run_unfused`: the original ATen ops), with a
+  :class:`NvGemmFallbackWarning` saying why, once per reason;
+* while a CUDA graph is being captured: the choice made for this signature
+  before the capture, else the unfused path -- never tuning, compiling,
+  loading or synchronising inside a capture.
 
     >>> import torch
     >>> a, w, bias = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
@@ -37,15 +42,20 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import warnings
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
-from branchyard.lowering.nvgemm.kernel_config import fused_kernel_ineligibility
+from branchyard.lowering.nvgemm import tuner as tuner_mod
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm, unfused_aten_epilogue
+from branchyard.lowering.nvgemm.kernel_config import ALIGN_BYTES, fused_kernel_ineligibility
+from branchyard.lowering.nvgemm.problem import Impl, TimingMode
+from branchyard.lowering.nvgemm.timing import current_timing_mode
+from branchyard.lowering.nvgemm.tuner import Autotuner
 
 __all__ = [
     "OP_NAME",
@@ -55,6 +65,8 @@ __all__ = [
     "check_arguments",
     "reset_fallback_warnings",
     "fallback_reasons",
+    "run_unfused",
+    "CallPlan",
 ]
 
 logger = logging.getLogger("branchyard")
@@ -63,7 +75,7 @@ OP_NAME = "branchyard::fused_gemm_epilogue"
 
 
 class NvGemmFallbackWarning(UserWarning):
-    """The fused op ran its reference path; the message says why."""
+    """The fused op ran the unfused path; the message says why."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -127,8 +139,8 @@ def _say_once(reason: str) -> None:
         if reason in _warned:
             return
         _warned.add(reason)
-    logger.info("nvgemm: reference path: %s", reason)
-    warnings.warn(f"branchyard nvgemm runs the reference path: {reason}", NvGemmFallbackWarning, stacklevel=3)
+    logger.info("nvgemm: unfused path: %s", reason)
+    warnings.warn(f"branchyard nvgemm runs the unfused path: {reason}", NvGemmFallbackWarning, stacklevel=3)
 
 
 def reset_fallback_warnings() -> None:
@@ -143,12 +155,110 @@ def fallback_reasons() -> frozenset[str]:
         return frozenset(_warned)
 
 
-# --- the op -------------------------------------------------------------------
+# --- the call path --------------------------------------------------------------
 
-def _gpu_impl(a2d, b_kn, operands, spec, spec_text=None) -> Callable:
-    from branchyard.lowering.nvgemm import tuner
 
-    return tuner.select(a2d, b_kn, operands, spec, spec_text)
+@dataclass(frozen=True)
+class _SpecPlan:
+    """What the op needs from a spec string, parsed once per string."""
+
+    spec: EpilogueSpec
+    nk: bool
+    #: ``True`` per tensor operand that is a per-column vector (else ``[M, N]``).
+    col: tuple[bool, ...]
+
+
+_SPEC_PLANS: dict[str, _SpecPlan] = {}
+
+
+def _spec_plan(text: str) -> _SpecPlan:
+    plan = _SPEC_PLANS.get(text)
+    if plan is None:
+        spec = parse_spec(text)
+        col = tuple(st.op.operand == "col" for st in spec.steps if st.op.operand in ("col", "matrix"))
+        plan = _SPEC_PLANS[text] = _SpecPlan(spec, spec.weight_layout == "nk", col)
+    return plan
+
+
+@dataclass
+class CallPlan:
+    """The op's decision for one call signature (spec, every shape, stride and
+    dtype, the device, the timing mode), made on its first call: ``impl`` is
+    the tuned choice, or ``None`` when the call runs unfused for ``reason``."""
+
+    m: int
+    n: int
+    k: int
+    out_shape: tuple[int, ...]
+    impl: Impl | None = None
+    reason: str | None = None
+    #: Reshape ``a`` to ``[M, K]`` / the operands to ``[N]`` or ``[M, N]`` first.
+    reshape_a: bool = False
+    reshape_ops: tuple[bool, ...] = ()
+
+
+#: Call signatures remembered before the table starts over (serving with many M).
+_PLANS_LIMIT = 4096
+
+
+def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, mode: str) -> tuple:
+    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+            *[(t.shape, t.stride(), t.dtype, t.device) for t in operands])
+
+
+def _as_2d(plan: _SpecPlan, call: CallPlan, a, b, operands):
+    a2d = a.reshape(call.m, call.k) if call.reshape_a else a
+    b_kn = b.t() if plan.nk else b
+    ops2d = [
+        (t.reshape(call.n) if col else t.reshape(call.m, call.n)) if again else t
+        for t, col, again in zip(operands, plan.col, call.reshape_ops)
+    ]
+    return a2d, b_kn, ops2d
+
+
+def run_unfused(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: EpilogueSpec) -> torch.Tensor:
+    """The chain as the original program ran it: ``mm`` in the inputs' dtype,
+    then one ATen op per step (capturable in a CUDA graph). Mixed input dtypes,
+    which no original program could multiply, run the reference semantics."""
+    if a.dtype != b.dtype:
+        return reference_fused_gemm(a, b, operands, spec)
+    b_kn = b.t() if spec.weight_layout == "nk" else b
+    k, n = b_kn.shape
+    y = torch.mm(a.reshape(math.prod(a.shape[:-1]), k), b_kn)
+    return unfused_aten_epilogue(y, spec, list(operands)).reshape(*a.shape[:-1], n)
+
+
+def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode, tuner: Autotuner) -> CallPlan:
+    """Check the arguments, decide fused or unfused, tune if fused (first call of a signature)."""
+    s = plan.spec
+    m, n, k = check_arguments(a, b, operands, s)
+    call = CallPlan(m, n, k, (*a.shape[:-1], n), reshape_a=a.dim() != 2,
+                    reshape_ops=tuple((t.dim() != 1) if col else (t.dim() != 2) for t, col in zip(operands, plan.col)))
+    if m == 0:
+        call.reason = "M = 0: nothing to compute"
+        return call
+    a2d, b_kn, ops2d = _as_2d(plan, call, a, b, operands)
+    why = fused_kernel_ineligibility(a2d, b_kn, ops2d, k, n)
+    if why is not None:
+        call.reason = why
+        return call
+    try:
+        call.impl = tuner.select(a2d, b_kn, ops2d, s, spec_text, mode)
+    except LoweringError as exc:  # every candidate failed to build or to match the reference
+        call.reason = f"autotuning found no working implementation: {exc}"
+    return call
+
+
+def _capturing(a: torch.Tensor) -> bool:
+    """Whether this call is being captured into a CUDA graph."""
+    return a.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _aligned(tensors) -> bool:
+    for t in tensors:
+        if t.data_ptr() % ALIGN_BYTES:
+            return False
+    return True
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -156,29 +266,35 @@ def fused_gemm_epilogue(
     a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
 ) -> torch.Tensor:
     """Matmul + epilogue in one op (see the module docstring for semantics)."""
-    s = parse_spec(spec)
-    m, n, k = check_arguments(a, b, operands, s)
-    b_kn = b.t() if s.weight_layout == "nk" else b
-    if m == 0:
-        return a.new_empty((*a.shape[:-1], n), dtype=s.out_dtype)
-    why = fused_kernel_ineligibility(a, b_kn, operands, k, n)
-    if why is not None:
-        _say_once(why)
-        return reference_fused_gemm(a, b, operands, s)
-    a2d = a.reshape(m, k)
-    ops2d = [
-        operands[st.operand].reshape(n) if st.op.operand == "col" else operands[st.operand].reshape(m, n)  # type: ignore[index]
-        for st in s.steps
-        if st.op.operand in ("col", "matrix")
-    ]
-    try:
-        impl = _gpu_impl(a2d, b_kn, ops2d, s, spec)
-    except LoweringError as exc:  # every candidate failed to build or to match the reference
-        _say_once(f"autotuning found no working implementation: {exc}")
-        return reference_fused_gemm(a, b, operands, s)
-    out = torch.empty((m, n), dtype=s.out_dtype, device=a.device)
+    plan = _SPEC_PLANS.get(spec) or _spec_plan(spec)
+    mode = current_timing_mode()
+    tuner = tuner_mod._default or tuner_mod.get_autotuner()
+    key = _signature(a, b, operands, spec, mode)
+    call = tuner.call_plans.get(key)
+    if _capturing(a):
+        if call is None:  # tuned for the other mode (an eager warm-up before a user's own capture)?
+            call = tuner.call_plans.get(_signature(a, b, operands, spec, "device" if mode == "host" else "host"))
+        if call is None:
+            _say_once("shape first seen inside a CUDA-graph capture (no tuning, compiling or loading "
+                      "while capturing; run the shape once before capture)")
+            return run_unfused(a, b, operands, plan.spec)
+    elif call is None:
+        call = _plan_call(a, b, operands, plan, spec, mode, tuner)
+        if len(tuner.call_plans) >= _PLANS_LIMIT:
+            tuner.call_plans.clear()
+        tuner.call_plans[key] = call
+    impl = call.impl
+    if impl is None:
+        _say_once(call.reason)  # type: ignore[arg-type]
+        return run_unfused(a, b, operands, plan.spec)
+    a2d, b_kn, ops2d = _as_2d(plan, call, a, b, operands)
+    if not _aligned((a2d, b_kn, *ops2d)):  # same shapes and strides, another storage offset
+        _say_once("a pointer is not 16-byte aligned")
+        return run_unfused(a, b, operands, plan.spec)
+    out = torch.empty((call.m, call.n), dtype=plan.spec.out_dtype, device=a.device)
     res = impl(a2d, b_kn, ops2d, out)
-    return (out if res is None else res).reshape(*a.shape[:-1], n)
+    res = out if res is None else res
+    return res.reshape(call.out_shape) if call.reshape_a else res
 
 
 @fused_gemm_epilogue.register_fake

@@ -188,6 +188,9 @@ class Autotuner:
         self.rounds = rounds if rounds is not None else int(os.environ.get("BRANCHYARD_NVGEMM_TUNE_ROUNDS", "3"))
         self._impls: dict[tuple, Impl] = {}
         self._exact: dict[tuple, Impl] = {}
+        #: The fused op's decision per call signature (``op.CallPlan``), made on a
+        #: signature's first call; a re-tune (:meth:`tune`) clears it.
+        self.call_plans: dict[tuple, Any] = {}
         self._lock = threading.RLock()
         #: Every tuning result of this process, by key (the benchmark reads it).
         self.results: dict[str, TuneResult] = {}
@@ -219,15 +222,9 @@ class Autotuner:
         )
 
     @staticmethod
-    def exact_key(a, b_kn, operands, spec_text: str, mode: TimingMode) -> tuple:
-        """The in-memory key of one call signature: spec, mode, every shape, stride, dtype, the device."""
+    def _exact_key(a, b_kn, operands, spec_text: str, mode: TimingMode) -> tuple:
         return (spec_text, mode, a.shape, a.stride(), b_kn.shape, b_kn.stride(), a.dtype, a.device,
                 *[(t.dtype, t.shape, t.stride()) for t in operands])
-
-    def lookup(self, key: tuple) -> Impl | None:
-        """The implementation already chosen (and run) for the call signature
-        ``key`` (:meth:`exact_key`), or ``None``; never tunes, builds or loads."""
-        return self._exact.get(key)
 
     def select(
         self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,
@@ -242,7 +239,7 @@ class Autotuner:
         """
         text = spec_text or str(spec)
         mode = mode or current_timing_mode()
-        exact = self.exact_key(a, b_kn, operands, text, mode)
+        exact = self._exact_key(a, b_kn, operands, text, mode)
         impl = self._exact.get(exact)
         if impl is not None:
             return impl
@@ -287,6 +284,7 @@ class Autotuner:
             result = self._tune(problem, key, self.candidates(problem), a, b_kn, operands)
             self._impls[self._bucket_key(a, b_kn, operands, str(spec), mode)] = result.impl  # type: ignore[assignment]
             self._exact.clear()
+            self.call_plans.clear()
         return result
 
     def _tune(self, problem, key, cands, a, b_kn, operands) -> TuneResult:
@@ -310,7 +308,7 @@ class Autotuner:
                 f"no candidate can run {problem}: "
                 + "; ".join(f"{n}: {w}" for n, w in result.excluded.items()),
                 where="nvgemm autotune",
-                hint="the reference path still runs it; check the exclusion reasons",
+                hint="the op runs the unfused path instead; check the exclusion reasons",
             )
         self._rerun_contenders(problem, a, b_kn, operands, result, built, timer)
         result.winner = self._playoff(problem, a, b_kn, operands, result, built)

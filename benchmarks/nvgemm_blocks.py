@@ -1,0 +1,290 @@
+"""Real model blocks before and after ``branchyard.lowering.nvgemm``, called the
+way users call them (issue 12 item 4).
+
+Usage (on the H200; see docs/gpu.md for the environment)::
+
+    python benchmarks/nvgemm_blocks.py --markdown              # every block and M (long: Inductor compiles)
+    python benchmarks/nvgemm_blocks.py --blocks llama3_8b_mlp --m 1 16 64 --no-compile
+    python benchmarks/nvgemm_blocks.py --dry-run               # CPU smoke at tiny sizes (the CPU test runs it)
+
+Blocks, built here with the widths of widely used models (bfloat16, random weights):
+
+* ``gpt2_mlp``        ``x + c_proj(gelu_tanh(c_fc(x)))``, 768 -> 3072 -> 768, biases
+* ``gpt2_attn_proj``  ``qkv = c_attn(x)``, ``x + c_proj(h)``: GPT-2's attention projections, 768 / 2304
+* ``llama3_8b_mlp``   ``x + down(silu(gate(x)) * up(x))``, 4096 -> 14336 -> 4096, no biases
+* ``llama3_8b_attn_proj``  ``q, k, v = wq(x), wk(x), wv(x)``, ``x + wo(h)``: 4096, GQA 8 KV heads (1024)
+* ``llama3_70b_mlp``  as the 8B MLP, 8192 -> 28672 -> 8192
+* ``llama3_70b_attn_proj`` as the 8B projections, 8192, KV 1024
+
+at M (tokens) in {1, 16, 64, 512, 2048, 8192}.
+
+Columns (microseconds per call, median of ``--repeats`` blocks of ``--iters``
+calls between CUDA events, no L2 flush: a model calls its blocks back to back):
+
+* ``module``     the eager ``nn.Module``
+* ``unrewritten``  ``torch.export.export(block).module()``
+* ``rewritten``  ``branchyard.lowering.nvgemm(ep).module()`` (the op tunes on warm-up)
+* ``compile``    ``torch.compile(block, mode="max-autotune-no-cudagraphs", dynamic=False)``
+
+each called eagerly (``*_eager``) and replayed from a CUDA graph of one call
+(``*_graph``: ``torch.cuda.graph`` after warm-up; the rewritten program is
+warmed up and captured under ``nvgemm.timing_mode("device")``, its eager
+column under the default host timing). Before timing, every column's output
+is checked against the eager block in fp32.
+
+Targets printed per row and summarised: ``rewritten >= 1.00x unrewritten``
+eager and in the graph, ``rewritten >= 0.98x compile`` in the graph (ratios
+are time_other / time_rewritten; >= 1 means the rewrite is at least as fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+M_VALUES = (1, 16, 64, 512, 2048, 8192)
+COLUMNS = ("module", "unrewritten", "rewritten", "compile")
+TARGETS = (
+    # (name, numerator column, denominator column, minimum ratio)
+    ("rewritten >= 1.00x unrewritten (eager)", "unrewritten_eager", "rewritten_eager", 1.00),
+    ("rewritten >= 1.00x unrewritten (graph)", "unrewritten_graph", "rewritten_graph", 1.00),
+    ("rewritten >= 0.98x compile (graph)", "compile_graph", "rewritten_graph", 0.98),
+)
+
+
+class MLP(nn.Module):
+    """GPT-2's MLP: ``x + c_proj(gelu_tanh(c_fc(x)))``."""
+
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP: ``x + down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class AttnProj(nn.Module):
+    """An attention block's projections around the attention itself (``h`` stands
+    for its output): ``q, k, v`` from ``x``, and ``x + o(h)``."""
+
+    def __init__(self, d: int, kv: int, bias: bool, fused_qkv: bool):
+        super().__init__()
+        self.fused_qkv = fused_qkv
+        if fused_qkv:
+            self.qkv = nn.Linear(d, d + 2 * kv, bias=bias)
+        else:
+            self.q, self.k, self.v = (nn.Linear(d, n, bias=bias) for n in (d, kv, kv))
+        self.o = nn.Linear(d, d, bias=bias)
+
+    def forward(self, x, h):
+        qkv = self.qkv(x) if self.fused_qkv else torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        return qkv, x + self.o(h)
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    name: str
+    make: Callable[[], nn.Module]
+    d: int
+    two_inputs: bool = False
+
+
+def blocks(tiny: bool = False) -> dict[str, BlockSpec]:
+    """The benchmark's blocks (``tiny``: the same structure at toy widths, for --dry-run)."""
+    s = (lambda n: max(8, n // 256)) if tiny else (lambda n: n)
+    return {b.name: b for b in (
+        BlockSpec("gpt2_mlp", lambda: MLP(s(768), s(3072)), s(768)),
+        BlockSpec("gpt2_attn_proj", lambda: AttnProj(s(768), s(768), True, True), s(768), True),
+        BlockSpec("llama3_8b_mlp", lambda: GatedMLP(s(4096), s(14336)), s(4096)),
+        BlockSpec("llama3_8b_attn_proj", lambda: AttnProj(s(4096), s(1024), False, False), s(4096), True),
+        BlockSpec("llama3_70b_mlp", lambda: GatedMLP(s(8192), s(28672)), s(8192)),
+        BlockSpec("llama3_70b_attn_proj", lambda: AttnProj(s(8192), s(1024), False, False), s(8192), True),
+    )}
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _check(name: str, got, want, dtype: torch.dtype) -> None:
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    for g, w in zip(_flat(got), _flat(want), strict=True):
+        err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-6)).item()
+        if not math.isfinite(err) or err > tol:
+            raise AssertionError(f"{name}: output off the eager block by {err:.3g} (relative to its max)")
+
+
+def _timer(device: torch.device, iters: int, repeats: int) -> Callable[[Callable[[], object]], float]:
+    if device.type == "cuda":
+        def time_us(fn):
+            samples = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3 / iters)
+            return statistics.median(samples)
+    else:
+        def time_us(fn):
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                samples.append((time.perf_counter() - t0) * 1e6 / iters)
+            return statistics.median(samples)
+    return time_us
+
+
+def _graph(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph after two warm-up calls; returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype, compile_mode: str | None,
+            iters: int, repeats: int) -> dict[str, float | str]:
+    """Every column for one block at one M (None where a column does not apply)."""
+    import branchyard.lowering.nvgemm as nvgemm
+
+    torch.manual_seed(0)
+    block = spec.make().to(device=device, dtype=dtype).eval()
+    x = torch.randn(m, spec.d, device=device, dtype=dtype)
+    args = (x, torch.randn(m, spec.d, device=device, dtype=dtype)) if spec.two_inputs else (x,)
+    with torch.no_grad():
+        want = block(*args)
+        ep = torch.export.export(block, args)
+        callers = {"module": block, "unrewritten": ep.module(), "rewritten": nvgemm(ep).module()}
+        if compile_mode is not None:
+            callers["compile"] = torch.compile(block, mode=compile_mode, dynamic=False)
+        time_us = _timer(device, iters, repeats)
+        row: dict[str, float | str] = {"block": spec.name, "m": m}
+        for name, fn in callers.items():
+            call = (lambda fn=fn: fn(*args))
+            _check(f"{spec.name} M={m} {name}", call(), want, dtype)  # also the host-timing warm-up / tuning
+            row[f"{name}_eager"] = time_us(call)
+            if device.type == "cuda":
+                with nvgemm.timing_mode("device"):
+                    replay = _graph(call)
+                row[f"{name}_graph"] = time_us(replay)
+    return row
+
+
+def ratios(row: dict) -> dict[str, float | None]:
+    """Each target's ratio (``None`` when a column is missing)."""
+    out = {}
+    for name, num, den, _ in TARGETS:
+        a, b = row.get(num), row.get(den)
+        out[name] = (a / b) if isinstance(a, float) and isinstance(b, float) and b > 0 else None
+    return out
+
+
+def report(rows: list[dict], markdown: bool) -> str:
+    cols = [f"{c}_{how}" for how in ("eager", "graph") for c in COLUMNS]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    lines = []
+    if markdown:
+        lines.append("| block | M | " + " | ".join(cols) + " | " + " | ".join(t[0] for t in TARGETS) + " |")
+        lines.append("|" + "---|" * (2 + len(cols) + len(TARGETS)))
+    for r in rows:
+        cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else "-" for c in cols]
+        checks = []
+        for (name, _, _, floor), value in zip(TARGETS, ratios(r).values()):
+            checks.append("-" if value is None else f"{value:.2f}x {'PASS' if value >= floor else 'FAIL'}")
+        if markdown:
+            lines.append(f"| {r['block']} | {r['m']} | " + " | ".join(cells + checks) + " |")
+        else:
+            lines.append(f"{r['block']:22s} M={r['m']:<5d} " + " ".join(f"{c}={v}" for c, v in zip(cols, cells))
+                         + " | " + " ; ".join(checks))
+    lines.append("")
+    for name, _, _, floor in TARGETS:
+        values = [v for r in rows if (v := ratios(r)[name]) is not None]
+        failed = sum(v < floor for v in values)
+        if values:
+            lines.append(f"target {name}: {len(values) - failed}/{len(values)} rows pass, worst {min(values):.2f}x"
+                         f" -> {'PASS' if not failed else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", nargs="*", default=None, help="block names (default: all)")
+    parser.add_argument("--m", nargs="*", type=int, default=None, help=f"M values (default {M_VALUES})")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    parser.add_argument("--no-compile", action="store_true", help="drop the torch.compile column")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, float32, toy widths, M in {1, 4}, no torch.compile: checks every column runs "
+                             "and matches the eager block")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")  # fallback notes (e.g. CPU tensors in --dry-run) are not results
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        ms, compile_mode, iters, repeats = args.m or [1, 4], None, 2, 1
+        table = blocks(tiny=True)
+    else:
+        if not torch.cuda.is_available():
+            parser.error("needs a CUDA device (use --dry-run for the CPU smoke mode)")
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        ms, iters, repeats = args.m or list(M_VALUES), args.iters, args.repeats
+        compile_mode = None if args.no_compile else args.compile_mode
+        table = blocks()
+    names = args.blocks or list(table)
+    unknown = sorted(set(names) - set(table))
+    if unknown:
+        parser.error(f"unknown blocks {unknown}; known: {sorted(table)}")
+    print(f"# nvgemm_blocks {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else platform.machine()}, torch {torch.__version__}, "
+          f"python {platform.python_version()}, argv {' '.join(sys.argv[1:])}", flush=True)
+    rows = []
+    for name in names:
+        for m in ms:
+            rows.append(run_row(table[name], m, device=device, dtype=dtype, compile_mode=compile_mode,
+                                iters=iters, repeats=repeats))
+            print(report(rows[-1:], markdown=False).splitlines()[0], flush=True)
+    print()
+    print(report(rows, markdown=args.markdown))
+    return rows
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("BRANCHYARD_NVGEMM_PROGRESS", "0")
+    main()

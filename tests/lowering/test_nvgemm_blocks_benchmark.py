@@ -1,0 +1,72 @@
+"""benchmarks/nvgemm_blocks.py in its CPU smoke mode: every block at toy widths
+goes through every CPU column (eager module, unrewritten and rewritten
+``ep.module()``), each output checked against the eager block, and the report
+prints every target. The GPU run (the real widths, CUDA graphs, torch.compile)
+is the lead's; this keeps the script correct by construction."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "nvgemm_blocks.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("nvgemm_blocks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nvgemm_blocks"] = module  # dataclasses look their module up while the class is built
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("nvgemm_blocks", None)
+
+
+def test_dry_run_times_every_block_and_checks_its_outputs(bench, capsys):
+    rows = bench.main(["--dry-run", "--markdown"])
+    assert [(r["block"], r["m"]) for r in rows] == [(b, m) for b in bench.blocks() for m in (1, 4)]
+    for r in rows:
+        assert all(isinstance(r[f"{c}_eager"], float) for c in ("module", "unrewritten", "rewritten")), r
+    out = capsys.readouterr().out
+    assert "| llama3_70b_attn_proj | 4 |" in out and "target rewritten >= 1.00x unrewritten (eager)" in out
+
+
+def test_the_rewrite_fuses_what_the_blocks_offer(bench):
+    """The blocks are the shapes the issue names, and the pass fuses their chains:
+    GPT-2's MLP twice (bias+gelu_tanh, bias+residual), Llama's gate+silu and the
+    down projection's residual, each attention block's output projection."""
+    import torch
+
+    import branchyard.lowering.nvgemm as nvgemm
+
+    full = bench.blocks()
+    assert {n: b.d for n, b in full.items()} == {
+        "gpt2_mlp": 768, "gpt2_attn_proj": 768, "llama3_8b_mlp": 4096, "llama3_8b_attn_proj": 4096,
+        "llama3_70b_mlp": 8192, "llama3_70b_attn_proj": 8192}
+    fused = {}
+    for name, spec in bench.blocks(tiny=True).items():
+        block = spec.make().eval()
+        args = tuple(torch.randn(4, spec.d) for _ in range(2 if spec.two_inputs else 1))
+        gm = nvgemm(torch.export.export(block, args)).graph
+        fused[name] = sorted(n.args[3].split(";", 1)[1] for n in gm.nodes
+                             if n.target is torch.ops.branchyard.fused_gemm_epilogue.default)
+    assert fused["gpt2_mlp"] == ["bias@0;gelu_tanh;out=float32", "bias@0;residual@1;out=float32"]
+    assert fused["llama3_8b_mlp"] == ["residual@0;out=float32", "silu;out=float32"]
+    assert fused["llama3_8b_attn_proj"] == ["residual@0;out=float32"]
+    assert fused["gpt2_attn_proj"] == ["bias@0;residual@1;out=float32"]
+
+
+def test_targets_are_judged_from_time_ratios(bench):
+    row = {"block": "b", "m": 1, "unrewritten_eager": 10.0, "rewritten_eager": 8.0,
+           "unrewritten_graph": 5.0, "rewritten_graph": 5.5, "compile_graph": 5.0}
+    got = bench.ratios(row)
+    assert got["rewritten >= 1.00x unrewritten (eager)"] == pytest.approx(1.25)
+    assert got["rewritten >= 1.00x unrewritten (graph)"] == pytest.approx(5 / 5.5)
+    text = bench.report([row], markdown=False)
+    assert "1.25x PASS" in text and "0.91x FAIL" in text
+    assert "target rewritten >= 0.98x compile (graph): 0/1 rows pass" in text

@@ -178,6 +178,13 @@ def test_bad_arguments_raise_lowering_error(a, b, ops, spec, match):
         fused_gemm_epilogue(a, b, ops, f"w=kn;{spec}")
 
 
+def test_arguments_on_several_devices_are_a_lowering_error():
+    # Through the dispatcher a meta operand would select the fake kernel; the check itself names it.
+    spec = EpilogueSpec.parse("w=kn;bias@0;out=float32")
+    with pytest.raises(LoweringError, match="the operand 0 is on meta, the input on cpu"):
+        op_mod.check_arguments(torch.randn(4, 8), torch.randn(8, 16), [torch.randn(16, device="meta")], spec)
+
+
 def test_fallback_warns_once_per_reason(monkeypatch):
     op_mod.reset_fallback_warnings()
     a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)

@@ -108,6 +108,10 @@ def check_arguments(
     Raises :class:`LoweringError` naming the argument that does not fit.
     """
     m, n, k = _dims(a, b, spec)
+    for name, t in [("weight", b)] + [(f"operand {i}", t) for i, t in enumerate(operands)]:
+        if t.device != a.device:
+            raise LoweringError(f"the {name} is on {t.device}, the input on {a.device}", where=OP_NAME,
+                                hint="move every argument to one device")
     if len(operands) != spec.num_operands:
         raise LoweringError(
             f"spec {str(spec)!r} takes {spec.num_operands} operand tensors, got {len(operands)}",

@@ -206,7 +206,7 @@ _PLANS_LIMIT = 4096
 
 
 def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, mode: str) -> tuple:
-    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in operands])
 
 

@@ -32,7 +32,7 @@ about 3.7, a 0-d aten op about 2.1), measured by ``benchmarks/cond_switch.py``'s
 machine; only their ratios matter::
 
     >>> FlattenCostModel().switch_cost(operands=10, branches=4, index_ops=6)
-    89.6
+    75.4
 """
 
 from __future__ import annotations

@@ -501,7 +501,11 @@ class CudaGraphModule(torch.nn.Module):
                 if ctx.max_iterations is not None:
                     ctx.exhausted = torch.zeros((), dtype=torch.bool, device=device)
                 outputs = ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
-        except BaseException:
+        except BaseException as exc:
+            from branchyard.lowering.cuda_graph.guarded_capture import keep_forever
+
+            if getattr(exc, "branchyard_retired_stream", False):
+                keep_forever(ctx.keepalive, builder, self._static_inputs)  # a stream was retired: free nothing
             ctx.keepalive = []
             ctx.builder = None
             raise

@@ -16,8 +16,10 @@ Two things break a process after a failed capture, and this module owns both:
   pool, and the pool is never released. :func:`guarded_capture` ends every
   active capture left on our streams (a body stream left in an *invalidated*
   capture is retired instead: ending it can crash the driver once its parent
-  graph is gone), ends allocation to the pool, releases the pool once, clears
-  the runtime's last error and synchronizes, then re-raises the original error.
+  graph is gone), ends allocation to the pool, releases the pool once, drops
+  the graph's RNG registrations, clears the runtime's last error and
+  synchronizes, then re-raises the original error. Where it retired a stream,
+  the failed capture's tensors are never freed (:func:`keep_forever`).
 
 Semantics, as Python::
 
@@ -38,7 +40,7 @@ import torch
 
 from branchyard.errors import LoweringError
 
-__all__ = ["dedicated_streams", "guarded_capture", "capture_status", "retire_stream", "stream_is_capturing", "end_stray_capture"]
+__all__ = ["dedicated_streams", "guarded_capture", "keep_forever", "capture_status", "retire_stream", "stream_is_capturing", "end_stray_capture"]
 
 logger = logging.getLogger("branchyard")
 
@@ -139,11 +141,32 @@ def _pool_id(pool: Any) -> Any:
     return getattr(pool, "id", pool)  # a torch.cuda.MemPool or a graph_pool_handle() tuple
 
 
-def _restore(graph: torch.cuda.CUDAGraph, streams: list[torch.cuda.ExternalStream], pool: Any, index: int) -> None:
-    """Undo a capture that failed at any point (see the module docstring)."""
+#: What failed captures that left a stream retired must never free (see :func:`keep_forever`).
+_GRAVEYARD: list[Any] = []
+
+
+def keep_forever(*objects: Any) -> None:
+    """Never free ``objects``: tensors a failed capture used on a stream it left retired.
+
+    Freeing such a tensor can make the caching allocator record an event on that
+    stream, which fails inside a destructor and aborts the process. The list is
+    pinned with an extra reference so that not even interpreter shutdown frees it.
+    """
+    if not _GRAVEYARD:
+        import ctypes
+
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_GRAVEYARD))
+    _GRAVEYARD.append(objects)
+
+
+def _restore(graph: torch.cuda.CUDAGraph, streams: list[torch.cuda.ExternalStream], pool: Any, index: int) -> bool:
+    """Undo a capture that failed at any point (see the module docstring); True if a stream was retired."""
+    retired = False
     for side in reversed(streams[1:]):
+        if capture_status(side) == "invalidated":
+            retired = True
         if end_stray_capture(side):
-            logger.debug("guarded_capture: ended a body capture left running on a side stream")
+            logger.debug("guarded_capture: ended or retired a body capture left on a side stream")
     main = streams[0]
     ended_cleanly = False
     if capture_status(main) != "none":  # active or invalidated: torch's capture_end ends either
@@ -155,16 +178,22 @@ def _restore(graph: torch.cuda.CUDAGraph, streams: list[torch.cuda.ExternalStrea
             logger.debug("guarded_capture: capture_end after failure raised %s", exc)
             if capture_status(main) != "none":
                 retire_stream(main)
+                retired = True
     if not ended_cleanly:
         pool_id = _pool_id(pool)
         with contextlib.suppress(Exception):  # raises when the allocator is not routing to the pool
             torch._C._cuda_endAllocateToPool(index, pool_id)
         with contextlib.suppress(Exception):
             torch._C._cuda_releasePool(index, pool_id)
+    with contextlib.suppress(Exception):
+        # Drops the graph's registrations with torch's RNG generators: left in place they make every
+        # later random op outside a capture fail ("Offset increment outside graph capture").
+        graph.reset()
     _clear_last_error()
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(index)
     _clear_last_error()
+    return retired
 
 
 @contextlib.contextmanager
@@ -194,8 +223,11 @@ def guarded_capture(
             began = True
             yield streams
             graph.capture_end()
-    except BaseException:
-        if began:
-            _restore(graph, streams, pool, index)
+    except BaseException as exc:
+        if began and _restore(graph, streams, pool, index):
+            # The traceback holds every frame of the failed capture and so every tensor it made.
+            keep_forever(exc.__traceback__)
+            with contextlib.suppress(Exception):
+                exc.branchyard_retired_stream = True  # type: ignore[attr-defined]  # callers keep their tensors too
         raise
     torch.cuda.current_stream(index).wait_stream(main)

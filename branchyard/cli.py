@@ -151,7 +151,10 @@ class _Progress:
     def __init__(self, total: int, what: Any):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=str(what), unit="step", file=sys.stderr, disable=None, leave=False)
+        # mininterval=0: a few long steps, each worth a redraw (the default skips updates within 0.1 s)
+        self.bar = tqdm(
+            total=total, desc=str(what), unit="step", file=sys.stderr, disable=None, leave=False, mininterval=0
+        )
 
     def __enter__(self) -> "_Progress":
         return self

@@ -56,3 +56,23 @@ def test_compile_reports_the_regions_and_keeps_outputs():
 def test_a_program_without_fusable_runs_is_unchanged():
     gm = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),)).module()
     assert fuse_regions(gm) == 0
+
+
+def test_a_region_inductor_cannot_compile_runs_its_ops(monkeypatch, caplog):
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) * 2)
+    region = InductorRegion(gm)
+    x = torch.randn(4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+    def broken(*args, **kwargs):
+        def run(*a):
+            raise RuntimeError("inductor failed")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="branchyard"):
+        torch.testing.assert_close(region(x), torch.relu(x) * 2)
+        torch.testing.assert_close(region(x), torch.relu(x) * 2)
+    assert sum("runs its ATen ops instead" in r.message for r in caplog.records) == 1

@@ -60,7 +60,14 @@ class InductorRegion(torch.nn.Module):
             return self.ops(*args)
         if self._compiled is None:
             self._compiled = torch.compile(self.ops.forward, backend="inductor", fullgraph=True, dynamic=False)
-        return self._compiled(*args)
+        if self._compiled is self.ops or torch.cuda.is_current_stream_capturing():
+            return self._compiled(*args)  # inside a capture: only what the warm-up compiled
+        try:
+            return self._compiled(*args)
+        except Exception as exc:  # Inductor could not compile this region: its ops still run
+            logger.warning("branchyard: an Inductor region runs its ATen ops instead (%s: %s)", type(exc).__name__, exc)
+            self._compiled = self.ops
+            return self.ops(*args)
 
 
 class _Fusable(OperatorSupportBase):

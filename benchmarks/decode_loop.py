@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -41,26 +41,18 @@ import torch
 
 import branchyard
 import branchyard.lowering
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_graph_control_flow import time_median_ms  # noqa: E402
 from branchyard._compat import HAS_SWITCH
 from branchyard.examples.decode_loop import DecodeLoop
 
 DEV = "cuda"
 
 
-def time_call_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median of ``reps`` CUDA-event-timed calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_call_ms(fn, reps: int) -> float:
+    """Median of ``reps`` CUDA-event-timed calls (the control-flow benchmark's timer)."""
+    return time_median_ms(fn, reps, warmup=2)
 
 
 def copy_bandwidth_gbs() -> float:

@@ -120,7 +120,7 @@ def column(name, build, model, x, steps_t, steps, reps, dtype, row):
     try:
         start = time.perf_counter()
         fn = build()
-        out = fn(x, steps_t)
+        fn(x, steps_t)
         torch.cuda.synchronize()
         row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
         checks = {}

@@ -1,6 +1,6 @@
 """CPU tests of the CUDA-graph lowering: analysis, validation errors, eager fallback.
 
-The capture itself needs a GPU and is tested in tests/gpu/test_cuda_graph_gpu.py.
+The capture itself needs a GPU and is tested in tests/gpu/test_cuda_graph_*_gpu.py.
 """
 
 from __future__ import annotations

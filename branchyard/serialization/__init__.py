@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 import os
 import threading
 from typing import Union
@@ -78,6 +79,7 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     folder, or the file cannot be written.
     """
     where = _where(path)
+    start = time.perf_counter()
     if not isinstance(program, ExportedProgram):
         raise SerializationError(
             f"can only save a torch.export.ExportedProgram, got {type(program).__name__}",
@@ -114,6 +116,7 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     except (OSError, RuntimeError, TypeError, ValueError, AssertionError, RecursionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SerializationError(f"could not write the program: {first}", where=where) from exc
+    logger.info("saved %s (%d switch(es)) in %.2f s", where, count, time.perf_counter() - start)
 
 
 def load(path: PathLike | io.BytesIO, *, trusted: bool = False) -> ExportedProgram:
@@ -132,6 +135,7 @@ def load(path: PathLike | io.BytesIO, *, trusted: bool = False) -> ExportedProgr
     holds a malformed switch encoding.
     """
     where = _where(path)
+    start = time.perf_counter()
     if isinstance(path, (str, os.PathLike)):
         if os.path.isdir(path):
             raise SerializationError("is a directory, not a .pt2 file", where=where, hint="give the path of a .pt2 file")
@@ -161,4 +165,8 @@ def load(path: PathLike | io.BytesIO, *, trusted: bool = False) -> ExportedProgr
             f"{MARKER_FILE} records {expected} switch(es) but {count} were found", where=where,
             hint="the archive was edited after it was written; re-save the original program",
         )
+    logger.info(
+        "loaded %s (%s; %d switch(es) restored) in %.2f s",
+        where, "trusted" if trusted else "safe reader", count, time.perf_counter() - start,
+    )
     return restored

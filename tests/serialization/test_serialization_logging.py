@@ -18,5 +18,5 @@ def test_save_and_load_log_what_they_did(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "branchyard"]
     assert any(m.startswith(f"saved file '{path}' (1 switch(es)) in ") for m in messages), messages
     assert any(m.startswith(f"loaded file '{path}' (safe reader; 1 switch(es) restored) in ") for m in messages), messages
-    x, idx = torch.randn(2, 16), torch.tensor(3)
+    x, idx = torch.randn(4, 16), torch.tensor(3)
     torch.testing.assert_close(loaded.module()(x, idx), program.module()(x, idx))

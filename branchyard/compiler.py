@@ -191,10 +191,6 @@ def _run_pass(name: str, program: torch.export.ExportedProgram, report: CompileR
     except BranchyardError:
         raise
     except Exception as exc:  # a pass bug must not cost the user the program: keep it unchanged
-        while exc.__cause__ is not None and isinstance(exc.__cause__, Exception):  # torch's PassManager wraps it
-            exc = exc.__cause__
-        if isinstance(exc, BranchyardError):
-            raise exc
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         warnings.warn(f"branchyard.compile: pass {name} failed and was skipped: {reason}", RuntimeWarning, stacklevel=4)
         report.stages.append(StageRecord(name, "failed", time.perf_counter() - start, reason))

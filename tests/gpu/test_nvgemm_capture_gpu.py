@@ -20,14 +20,7 @@ from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 
-CUDA = torch.cuda.is_available()
-if CUDA:
-    from branchyard.lowering.nvgemm.kernel_config import GemmConfig, cutedsl_available
-
-    CUTEDSL_OK, CUTEDSL_WHY = cutedsl_available()
-else:
-    CUTEDSL_OK, CUTEDSL_WHY = False, "no CUDA device"
-needs_cutedsl = pytest.mark.skipif(not CUTEDSL_OK, reason=f"CuTeDSL unavailable: {CUTEDSL_WHY}")
+from nvgemm_gpu_support import CUTEDSL_OK, GemmConfig, needs_cutedsl
 TOL = dict(rtol=2e-2, atol=2e-2)
 SPEC = "w=nk;bias@0;gelu_tanh;residual@1;out=bfloat16"
 

@@ -35,14 +35,7 @@ from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm import op as op_mod
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 
-CUDA = torch.cuda.is_available()
-if CUDA:
-    from branchyard.lowering.nvgemm.kernel_config import GemmConfig, cutedsl_available
-
-    CUTEDSL_OK, CUTEDSL_WHY = cutedsl_available()
-else:
-    CUTEDSL_OK, CUTEDSL_WHY = False, "no CUDA device"
-needs_cutedsl = pytest.mark.skipif(not CUTEDSL_OK, reason=f"CuTeDSL unavailable: {CUTEDSL_WHY}")
+from nvgemm_gpu_support import CUTEDSL_OK, GemmConfig, needs_cutedsl
 
 OURS = "cutedsl:t128x128_c1x1_o1"
 TOL = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=3e-3, atol=3e-3)}

@@ -229,6 +229,14 @@ def test_raising_root_predicate_over_identical_leaves_is_kept():
     assert seen == {"ok", "raise"}
 
 
+
+def _outcomes_over_guards(gm, after) -> set[str]:
+    """Run both programs on (guard, x, index, table) for every guard, index and sign of x; the outcomes seen."""
+    return {
+        assert_same_outcome(gm, after, (torch.tensor(p), X * s, torch.tensor(i), TABLE))
+        for p, i, s in itertools.product((True, False), IDX, (1.0, -1.0))
+    }
+
 def test_unused_raising_node_in_an_inlined_branch_still_runs():
     """A branch computes something that may raise and never uses it, then
     branches again: materializing the leaves keeps that computation."""
@@ -245,10 +253,7 @@ def test_unused_raising_node_in_an_inlined_branch_still_runs():
     assert aten.embedding.default in [n.target for n in all_nodes(gm)]
     after, modified, _ = rewrite(gm)
     assert modified and sum(is_switch(n) for n in all_nodes(after)) == 1
-    seen = set()
-    for p, i, s in itertools.product((True, False), IDX, (1.0, -1.0)):
-        seen.add(assert_same_outcome(gm, after, (torch.tensor(p), X * s, torch.tensor(i), TABLE)))
-    assert seen == {"ok", "raise"}
+    assert _outcomes_over_guards(gm, after) == {"ok", "raise"}
 
 
 def test_unused_raising_node_beside_a_nested_cond_still_runs():
@@ -266,10 +271,7 @@ def test_unused_raising_node_beside_a_nested_cond_still_runs():
     gm = make_fx(f)(torch.tensor(False), X, torch.tensor(1), TABLE)
     after, modified, _ = rewrite(gm)
     assert modified and sum(is_switch(n) for n in all_nodes(after)) == 1
-    seen = set()
-    for p, i, s in itertools.product((True, False), IDX, (1.0, -1.0)):
-        seen.add(assert_same_outcome(gm, after, (torch.tensor(p), X * s, torch.tensor(i), TABLE)))
-    assert seen == {"ok", "raise"}
+    assert _outcomes_over_guards(gm, after) == {"ok", "raise"}
 
 
 def test_safe_predicates_are_still_hoisted():

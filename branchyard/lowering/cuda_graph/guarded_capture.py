@@ -20,6 +20,11 @@ Two things break a process after a failed capture, and this module owns both:
   the graph's RNG registrations, clears the runtime's last error and
   synchronizes, then re-raises the original error. Where it retired a stream,
   the failed capture's tensors are never freed (:func:`keep_forever`).
+* **Host synchronization.** A sync during a capture (``torch.cuda.synchronize()``,
+  a stream or event sync, ``.item()``, a device-to-host copy) invalidates every
+  capture on the device, and the driver does not always survive cleaning that
+  up. :func:`host_sync_forbidden` turns such a call, made on the capturing
+  thread, into a :class:`~branchyard.errors.LoweringError` before it reaches CUDA.
 
 Semantics, as Python::
 
@@ -40,7 +45,16 @@ import torch
 
 from branchyard.errors import LoweringError
 
-__all__ = ["dedicated_streams", "guarded_capture", "keep_forever", "capture_status", "retire_stream", "stream_is_capturing", "end_stray_capture"]
+__all__ = [
+    "dedicated_streams",
+    "guarded_capture",
+    "host_sync_forbidden",
+    "keep_forever",
+    "capture_status",
+    "retire_stream",
+    "stream_is_capturing",
+    "end_stray_capture",
+]
 
 logger = logging.getLogger("branchyard")
 
@@ -196,6 +210,67 @@ def _restore(graph: torch.cuda.CUDAGraph, streams: list[torch.cuda.ExternalStrea
     return retired
 
 
+#: The Python entry points that synchronize with the host: (owner, attribute name).
+_SYNC_ENTRY_POINTS: tuple[tuple[Any, str], ...] = (
+    (torch.cuda, "synchronize"),
+    (torch.cuda.Stream, "synchronize"),
+    (torch.cuda.Event, "synchronize"),
+)
+
+
+def _refusing(real: Any, name: str, owner_thread: int) -> Any:
+    import functools
+    import threading
+
+    @functools.wraps(real)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != owner_thread:
+            return real(*args, **kwargs)
+        raise LoweringError(
+            f"{name}() was called during a CUDA graph capture",
+            where="CUDA graph capture",
+            hint="a host synchronization cannot be captured: remove it from the program or run it eagerly",
+        )
+
+    return refuse
+
+
+@contextlib.contextmanager
+def host_sync_forbidden() -> Iterator[None]:
+    """Make host synchronizations on this thread raise instead of invalidating the capture.
+
+    Python-level syncs (``torch.cuda.synchronize``, ``Stream.synchronize``,
+    ``Event.synchronize``) raise :class:`LoweringError` on the calling thread
+    (other threads are passed through); syncs inside ATen ops (``.item()``,
+    device-to-host copies, ``nonzero``) raise through torch's sync debug mode,
+    set to ``"error"`` for the duration (a process-wide setting, restored after).
+    Either way nothing reaches CUDA, so the capture fails like any Python error.
+    """
+    import threading
+
+    me = threading.get_ident()
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in _SYNC_ENTRY_POINTS if name in owner.__dict__]
+    debug_mode = torch._C._cuda_get_sync_debug_mode()  # the torch._C calls need no CUDA initialization
+    try:
+        for owner, name, real in saved:
+            label = "torch.cuda.synchronize" if owner is torch.cuda else f"torch.cuda.{owner.__name__}.{name}"
+            setattr(owner, name, _refusing(real, label, me))
+        _set_sync_debug_mode(2)  # "error"
+        yield
+    finally:
+        _set_sync_debug_mode(debug_mode)
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+
+
+def _set_sync_debug_mode(mode: int) -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns once that the mode is a prototype
+        warnings.simplefilter("ignore")
+        torch._C._cuda_set_sync_debug_mode(mode)
+
+
 @contextlib.contextmanager
 def guarded_capture(
     graph: torch.cuda.CUDAGraph, *, pool: Any, device: torch.device, side_streams: int = 8
@@ -221,7 +296,8 @@ def guarded_capture(
         with torch.cuda.device(index), torch.cuda.stream(main):
             graph.capture_begin(pool=pool)
             began = True
-            yield streams
+            with host_sync_forbidden():
+                yield streams
             graph.capture_end()
     except BaseException as exc:
         if began and _restore(graph, streams, pool, index):

@@ -19,7 +19,6 @@ from branchyard._compat import HAS_SWITCH
 from branchyard.errors import SpecViolationError
 from branchyard.examples.decode_loop import DecodeLoop
 from branchyard.lowering.cuda_graph import CudaGraphFallbackWarning, cuda_graph
-from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter, Phase
 from branchyard.shapes import ShapeVar, dynamic_spec
 
 pytestmark = pytest.mark.gpu
@@ -152,6 +151,8 @@ import sys, warnings
 import torch
 from torch._higher_order_ops.while_loop import while_loop
 from branchyard.lowering.cuda_graph import CudaGraphFallbackWarning, cuda_graph
+
+from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter, Phase
 
 DEV, how = "cuda", sys.argv[1]
 

@@ -31,7 +31,8 @@ checks):
 ``_cutedsl_common.py``    shared kernel building blocks (wgmma, TMA rings, stores)
 ``_cutedsl_kernel.py``    the one-tile-per-CTA kernel
 ``_cutedsl_persistent.py`` the persistent ping-pong kernel
-``_cutedsl_epilogue.py``  the epilogue code both kernels trace
+``_cutedsl_gemv.py``      the small-M kernel (M <= 64: weight rows streamed into warp MMAs)
+``_cutedsl_epilogue.py``  the epilogue code every kernel traces
 ``cutlass_operators.py``  cutlass-operators' plain GEMM (a comparison candidate)
 **tuning**
 ``problem.py``            what a decision is about (``Problem``) and the ``Impl`` signature

@@ -1,4 +1,4 @@
-"""The epilogue's trace-time code shared by both CuTeDSL kernels: the steps
+"""The epilogue's trace-time code shared by the CuTeDSL kernels: the steps
 of :mod:`.kernel_math` applied to an accumulator fragment in registers.
 
 Kept apart from the kernels so that neither kernel module imports the other.
@@ -30,7 +30,7 @@ def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last
 
     m = CuteMath()
     total = cute.size(acc)
-    chunk = _CHUNK if total % _CHUNK == 0 else 1
+    chunk = next(c for c in (_CHUNK, 4, 1) if total % c == 0)
     formulas = [kernel_formula(step) for step in steps]
     for start in range(0, total, chunk):
         vals = cute.make_rmem_tensor((chunk,), cutlass.Float32)

@@ -2,6 +2,8 @@
 way this library knows to run a matmul + epilogue chain.
 
 ==================================  ============================================================
+``cutedsl:gemv_m<rows>_w<warps>``   our small-M kernel (M <= 64, an ``[N, K]`` weight), one per
+                                    config (:func:`~.kernel_config.small_m_configs`)
 ``cutedsl:<config>``                our fused kernel, one per tile config (:mod:`.cutedsl_gemm`)
 ``cutlass_plain+epilogue``          cutlass-operators' plain GEMM, then the chain as ATen ops
 ``cublaslt:_addmm_activation``      cuBLASLt's fused bias + ReLU / GELU(tanh), when that is the chain
@@ -46,7 +48,13 @@ from branchyard.lowering.nvgemm.epilogue import (
     unfused_aten_epilogue,
     without_casts,
 )
-from branchyard.lowering.nvgemm.kernel_config import candidate_configs, cutedsl_available, dtype_name
+from branchyard.lowering.nvgemm.kernel_config import (
+    candidate_configs,
+    cutedsl_available,
+    dtype_name,
+    small_m_configs,
+    small_m_ineligibility,
+)
 from branchyard.lowering.nvgemm.problem import Impl, Problem
 
 __all__ = ["Candidate", "UNFUSED", "default_candidates", "unfused_impl"]
@@ -284,16 +292,26 @@ def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     return impl
 
 
+def _small_m_applies(problem: Problem) -> str | None:
+    return small_m_ineligibility(problem.m, problem.n, problem.k, problem.dtype, problem.b_layout,
+                                 problem.spec.out_dtype)
+
+
 def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
+    """The tile configs, and the small-M kernel's configs where M <= 64 (each
+    list cut to ``BRANCHYARD_NVGEMM_MAX_CONFIGS`` when that is set)."""
     ok, why = cutedsl_available()
     if not ok:
         logger.info("nvgemm: no CuTeDSL candidates: %s", why)
         return []
     configs = candidate_configs(problem.m, problem.n, problem.k, dtype_name(problem.dtype))
+    small = small_m_configs(problem.m, problem.n, problem.k) if _small_m_applies(problem) is None else []
     limit = os.environ.get("BRANCHYARD_NVGEMM_MAX_CONFIGS")
     if limit:
-        configs = configs[: max(1, int(limit))]
+        configs, small = configs[: max(1, int(limit))], small[: max(1, int(limit))]
     return [
+        Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c), _small_m_applies) for c in small
+    ] + [
         Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c)) for c in configs
     ]
 

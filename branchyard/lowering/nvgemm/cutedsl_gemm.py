@@ -42,6 +42,11 @@ contiguous. The tuning space and every eligibility rule are in
 :mod:`.kernel_config`; the epilogue steps and the kernel's math namespace in
 :mod:`.kernel_math`; the kernels themselves in the ``_cutedsl_*`` modules.
 
+For M <= 64 a :class:`~.kernel_config.GemvConfig` selects the small-M kernel
+(:mod:`._cutedsl_gemv`: weight rows streamed into warp-level MMAs, the
+weight read once, the epilogue after the reduction over K); it takes the
+``"nk"`` weight layout and also stores float32 outputs.
+
 This module compiles a kernel for a parsed spec and config, keeps compiled
 kernels in memory and in the on-disk :class:`~.kernel_cache.KernelCache`, and
 launches them. It imports without CUDA or CuTeDSL: everything touching
@@ -70,6 +75,7 @@ from branchyard.lowering.nvgemm.kernel_config import (
     KERNEL_DTYPES,
     OPERAND_DTYPES,
     GemmConfig,
+    GemvConfig,
     cutedsl_available,
     dtype_name,
 )
@@ -98,7 +104,7 @@ _DEFAULT_CACHE = "default"
 def compile_fused_gemm(
     spec: EpilogueSpec,
     dtype: Any,
-    config: GemmConfig,
+    config: GemmConfig | GemvConfig,
     *,
     b_layout: str | None = None,
     out_dtype: Any | None = None,
@@ -137,8 +143,9 @@ def compile_fused_gemm(
     ok, reason = cutedsl_available()
     if not ok:
         raise LoweringError(f"cannot compile the CuTeDSL GEMM: {reason}", where="compile_fused_gemm")
-    if not isinstance(config, GemmConfig):
-        raise LoweringError(f"config must be a GemmConfig, got {type(config).__name__}", where="compile_fused_gemm")
+    if not isinstance(config, (GemmConfig, GemvConfig)):
+        raise LoweringError(f"config must be a GemmConfig or GemvConfig, got {type(config).__name__}",
+                            where="compile_fused_gemm")
     name = dtype_name(dtype)
     if name not in KERNEL_DTYPES:
         raise LoweringError(f"input dtype {name}", where="compile_fused_gemm", hint="the kernel takes bfloat16 or float16")
@@ -148,8 +155,12 @@ def compile_fused_gemm(
     b_layout = b_layout or spec.weight_layout
     if b_layout not in ("nk", "kn"):
         raise LoweringError(f"b_layout={b_layout!r}", where="compile_fused_gemm", hint="use 'nk' or 'kn'")
+    if isinstance(config, GemvConfig) and b_layout != "nk":
+        raise LoweringError(f"b_layout={b_layout!r}: the small-M kernel streams [N, K] weight rows",
+                            where="compile_fused_gemm", hint="use a GemmConfig for a row-major [K, N] weight")
     out_name = dtype_name(out_dtype if out_dtype is not None else spec.out_dtype)
-    if out_name not in KERNEL_DTYPES:
+    # The small-M kernel stores element by element, so float32 too.
+    if out_name not in KERNEL_DTYPES + (("float32",) if isinstance(config, GemvConfig) else ()):
         raise LoweringError(
             f"output dtype {out_name}: the kernel stores 16-bit outputs only (stmatrix + TMA store)",
             where="compile_fused_gemm",
@@ -203,13 +214,13 @@ def _target_arch() -> str:
 
 def kernel_cache_key(
     steps: Sequence[KernelStep], dtype: str, out_dtype: str, operand_dtypes: Sequence[str], b_layout: str,
-    config: GemmConfig,
+    config: GemmConfig | GemvConfig,
 ) -> dict[str, Any]:
     """What a compiled kernel depends on besides the environment the
     :class:`~branchyard.lowering.nvgemm.kernel_cache.KernelCache` adds (GPU,
     driver, CUDA, torch, CuTeDSL): this package's source, the steps, dtypes,
-    B layout, every config field, the target arch and the tvm-ffi version (the
-    exported launcher's ABI).
+    B layout, the kernel (``fused_gemm`` or the small-M ``gemv``), every config
+    field, the target arch and the tvm-ffi version (the exported launcher's ABI).
 
         >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
         >>> key = kernel_cache_key(plan_steps(EpilogueSpec.parse("w=nk;bias@0;silu;out=bfloat16")), "bfloat16",
@@ -218,7 +229,7 @@ def kernel_cache_key(
         ([['bias', 'col', 0, None, None], ['silu', 'none', None, None, None]], 256)
     """
     return {
-        "kernel": "fused_gemm",
+        "kernel": "gemv" if isinstance(config, GemvConfig) else "fused_gemm",
         "source": _source_digest(),
         # Formulas are named, not hashed: the table that maps names to them is part of ``source``.
         "steps": [[s.name, s.operand, s.index, s.value, s.dtype] for s in steps],
@@ -257,7 +268,7 @@ class _FusedGemm:
     """The callable :func:`compile_fused_gemm` returns (one spec, dtype, layout, config)."""
 
     def __init__(
-        self, steps, dtype: str, out_dtype: str, b_layout: str, config: GemmConfig, count: int, *,
+        self, steps, dtype: str, out_dtype: str, b_layout: str, config: GemmConfig | GemvConfig, count: int, *,
         kernel_cache: Any = None,
     ) -> None:
         self.steps = steps
@@ -326,6 +337,8 @@ class _FusedGemm:
                 where="fused gemm launch",
             )
         compiled = self.variant(tuple(dtype_name(t.dtype) for t in operands))
+        if a.shape[0] == 0:
+            return  # nothing to compute (and no empty grid to launch)
         # A trailing scalar keeps the operand tuple non-empty (the DSL cannot pass an empty one).
         compiled(a, b_nk, out, (*operands, 0.0))
 
@@ -341,7 +354,7 @@ def _compile(
     out_dtype: str,
     operand_dtypes: Sequence[str],
     b_layout: str,
-    config: GemmConfig,
+    config: GemmConfig | GemvConfig,
 ) -> Any:
     import cutlass
     import cutlass.cute as cute
@@ -383,7 +396,11 @@ def _kernel_class() -> Callable[..., Any]:
     """``make(steps, config, types)``: the kernel object for a config, its class
     defined on first use (it needs ``cutlass`` at class-body time)."""
 
-    def make(steps: tuple, config: GemmConfig, types: dict) -> Any:
+    def make(steps: tuple, config: GemmConfig | GemvConfig, types: dict) -> Any:
+        if isinstance(config, GemvConfig):
+            from branchyard.lowering.nvgemm._cutedsl_gemv import build_gemv_class
+
+            return build_gemv_class()(steps, config, types)
         if config.persistent:
             from branchyard.lowering.nvgemm._cutedsl_persistent import build_persistent_class
 

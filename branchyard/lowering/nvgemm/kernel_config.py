@@ -13,6 +13,14 @@ Imports without CUDA or CuTeDSL (those are imported inside functions).
     True
     >>> check_eligible(128, 100, 4096, "bfloat16")
     'N=100 is not a multiple of 8 (TMA needs 16-byte rows of 16-bit elements)'
+
+The small-M kernel (:class:`GemvConfig`) has its own space and rules
+(:func:`small_m_configs`, :func:`small_m_ineligibility`):
+
+    >>> [c.name for c in small_m_configs(5, 14336, 4096)]
+    ['gemv_m8_w8', 'gemv_m8_w4', 'gemv_m8_w16']
+    >>> small_m_ineligibility(128, 4096, 4096, "bfloat16", "nk")
+    'M=128 is above 64 (the small-M kernel reads the weight once per 64 rows of the input)'
 """
 
 from __future__ import annotations
@@ -32,7 +40,11 @@ __all__ = [
     "ALIGN_ELEMENTS",
     "KERNEL_DTYPES",
     "OPERAND_DTYPES",
+    "GEMV_K_STEP",
+    "GEMV_ROWS",
     "GemmConfig",
+    "GemvConfig",
+    "SMALL_M_MAX",
     "TILE_K",
     "PP_EPI_BUFFERS",
     "candidate_configs",
@@ -42,6 +54,8 @@ __all__ = [
     "fused_kernel_ineligibility",
     "layout_ineligibility",
     "persistent_stages",
+    "small_m_configs",
+    "small_m_ineligibility",
 ]
 
 TILE_K = 64
@@ -350,3 +364,93 @@ def fused_kernel_ineligibility(
         return f"nvidia-cutlass-dsl is unavailable: {why}"
     return layout_ineligibility(a, b_kn, operands, k, n)
 
+
+
+# --- the small-M (memory-bound) kernel -----------------------------------------
+
+#: The largest M the small-M kernel is offered for: above it the weight is no
+#: longer the only traffic worth counting and the tiled kernels win.
+SMALL_M_MAX = 64
+#: Weight rows (output columns) per CTA: the M extent of one m16n8k16 MMA.
+GEMV_ROWS = 16
+#: K elements one warp consumes per step: 4 lanes x 2 chunks x 8 elements per row.
+GEMV_K_STEP = 64
+_GEMV_M_BLOCKS = (8, 16, 32, 64)
+_GEMV_WARPS = (4, 8, 16)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One point of the small-M kernel's tuning space (:mod:`._cutedsl_gemv`).
+
+    ``m_block`` input rows per CTA (8, 16, 32 or 64: one, two, four or eight
+    m16n8k16 MMAs per k16 step; a larger M runs ``ceil(M / m_block)`` CTA
+    rows, each reading the weight again); ``warps`` warps per CTA, which split
+    K between them (more warps: more loads in flight per CTA for narrow N).
+    """
+
+    m_block: int = 16
+    warps: int = 8
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.m_block not in _GEMV_M_BLOCKS:
+            problems.append(f"m_block={self.m_block} (must be one of {_GEMV_M_BLOCKS})")
+        if self.warps not in _GEMV_WARPS:
+            problems.append(f"warps={self.warps} (must be one of {_GEMV_WARPS})")
+        if problems:
+            raise LoweringError("invalid GemvConfig: " + "; ".join(problems), where="GemvConfig")
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA."""
+        return 32 * self.warps
+
+    @property
+    def name(self) -> str:
+        """Short stable name (the candidate is ``cutedsl:<name>``)."""
+        return f"gemv_m{self.m_block}_w{self.warps}"
+
+
+def small_m_configs(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The small-M configs worth timing: the smallest ``m_block`` holding M
+    (every CTA then reads its weight rows once), with 8, 4 and 16 warps.
+
+        >>> [c.name for c in small_m_configs(17, 4096, 4096)]
+        ['gemv_m32_w8', 'gemv_m32_w4', 'gemv_m32_w16']
+    """
+    m_block = next((b for b in _GEMV_M_BLOCKS if b >= m), _GEMV_M_BLOCKS[-1])
+    return [GemvConfig(m_block, w) for w in (8, 4, 16)]
+
+
+def small_m_ineligibility(m: int, n: int, k: int, dtype: Any, b_layout: str, out_dtype: Any = None) -> str | None:
+    """Why the small-M kernel does not take this problem, or ``None``.
+
+    On top of :func:`layout_ineligibility` (which the op checks for every
+    fused kernel): M in 1..:data:`SMALL_M_MAX`, the ``nn.Linear`` weight
+    layout (``[N, K]`` row-major, each output column one contiguous weight
+    row), ``N`` a multiple of :data:`GEMV_ROWS`, ``K`` a multiple of
+    :data:`GEMV_K_STEP`, and a 16-bit or float32 output.
+
+        >>> small_m_ineligibility(16, 14336, 4096, "bfloat16", "nk") is None
+        True
+        >>> small_m_ineligibility(16, 4096, 4096, "bfloat16", "kn")
+        "the weight layout is 'kn': the small-M kernel streams the rows of an [N, K] (nn.Linear) weight"
+    """
+    name = dtype_name(dtype)
+    if name not in KERNEL_DTYPES:
+        return f"dtype {name} is not supported (bfloat16 and float16 only)"
+    if m < 1:
+        return f"M={m}: nothing to compute"
+    if m > SMALL_M_MAX:
+        return f"M={m} is above {SMALL_M_MAX} (the small-M kernel reads the weight once per {SMALL_M_MAX} rows of the input)"
+    if b_layout != "nk":
+        return (f"the weight layout is {b_layout!r}: the small-M kernel streams the rows of an [N, K] "
+                "(nn.Linear) weight")
+    if n < 1 or n % GEMV_ROWS:
+        return f"N={n} is not a multiple of {GEMV_ROWS} (one MMA's rows per CTA)"
+    if k < 1 or k % GEMV_K_STEP:
+        return f"K={k} is not a multiple of {GEMV_K_STEP} (one warp's step along K)"
+    if out_dtype is not None and dtype_name(out_dtype) not in KERNEL_DTYPES + ("float32",):
+        return f"output dtype {dtype_name(out_dtype)} (bfloat16, float16 or float32 only)"
+    return None

@@ -1,0 +1,219 @@
+"""The small-M CuTeDSL kernel: ``out = epilogue(A @ W^T)`` for M <= 64, where
+the time is the weight's bytes over HBM bandwidth (chosen by
+:class:`~.kernel_config.GemvConfig`; compiled and launched by :mod:`.cutedsl_gemm`).
+
+No TMA, no shared-memory ring: every warp streams weight rows straight from
+global memory into registers with 16-byte loads and multiplies them on the
+tensor cores with warp-level ``mma.sync`` m16n8k16, the weight as the MMA's
+16-row operand and the input's rows as its 8 columns ("swap AB": the MMA's M is
+our N, so M = 1..8 wastes nothing on the weight side). Per CTA::
+
+    rows = 16 weight rows (output columns n0 .. n0+15),  m rows m0 .. m0+m_block-1 of A
+    warp w:   for step in w, w + warps, ... < K / 64:          # the warps split K
+                  lane (g, t) = (lane // 4, lane % 4) loads 2 x 16 bytes of weight rows
+                  g and g+8 and of input rows m0+g (+8, ...): K chunks 8t and 32+8t of the step
+                  4 MMAs (k16 each) per 8 input rows into fp32 accumulators
+    all warps: accumulators -> shared memory; warp 0 sums them, runs the epilogue
+               steps (``_cutedsl_epilogue.apply_steps``, every table row) and stores
+
+Which K a lane's register holds need not be the K the MMA "thinks" it is: a
+dot product is the same in any order of K, as long as both operands use the
+same order. The MMA pairs A's and B's k-slots 2t, 2t+1, 2t+8, 2t+9 inside lane
+group t, so each lane puts the 16 weight elements it loaded for a row and the
+16 input elements it loaded for a row in the same slots (element ``e`` of the
+lane's two chunks goes to k-slot ``s = e % 4`` of MMA ``e // 4``); the loads
+stay 16 bytes wide and 64 bytes contiguous per row and instruction.
+
+Fragment value order (PTX ``mma.m16n8k16``, CuTe's SM80 layouts): A value
+``v0 + 2 v1 + 4 v2`` is row ``g + 8 v1``, k-slot ``2t + v0 + 8 v2``; B value
+``w0 + 2 w1`` is column ``g``, k-slot ``2t + w0 + 8 w1``; C value ``c0 + 2 c1``
+is row ``g + 8 c1``, column ``2t + c0``.
+
+Rows of A past M are read clamped to the last row (in bounds) and never
+stored. Built on first use (its class body needs ``cutlass``), so this module
+imports without CuTeDSL.
+"""
+
+import functools
+from typing import Any, NamedTuple
+
+#: Elements per 16-byte chunk; a lane loads chunks ``t`` and ``t + 4`` of each 64-wide K step.
+CHUNK = 8
+
+
+class Placement(NamedTuple):
+    """Where one loaded element goes: MMA ``kk`` (of the step's four k16 MMAs), its
+    k-slot ``s`` (0..3 within the lane: k-slots 2t, 2t+1, 2t+8, 2t+9), taken from
+    chunk ``c`` at offset ``off``; ``a_lo`` / ``a_hi`` are the A-fragment indices of
+    weight rows g and g + 8, ``s`` itself the B-fragment index."""
+
+    kk: int
+    s: int
+    c: int
+    off: int
+    a_lo: int
+    a_hi: int
+
+
+def placements() -> tuple[Placement, ...]:
+    """Element ``e = 4 kk + s`` of the lane's 16 (two chunks) -> MMA ``kk``, slot ``s``.
+
+    A value ``v0 + 2 v1 + 4 v2`` holds k-slot ``2t + v0 + 8 v2`` of row ``g + 8 v1``;
+    B value ``w0 + 2 w1`` holds k-slot ``2t + w0 + 8 w1``: slot ``s = v0 + 2 v2 = w0 + 2 w1``.
+
+        >>> placements()[5]
+        Placement(kk=1, s=1, c=0, off=5, a_lo=1, a_hi=3)
+    """
+    out = []
+    for kk in range(4):
+        for s in range(4):
+            e = 4 * kk + s
+            v0, v2 = s % 2, s // 2
+            out.append(Placement(kk, s, e // CHUNK, e % CHUNK, v0 + 4 * v2, v0 + 2 + 4 * v2))
+    return tuple(out)
+
+
+def accumulator_coords(v: int, g: Any, t: Any) -> tuple[Any, Any]:
+    """(input row within the MMA's 8, weight row within the 16) of accumulator value ``v``
+    of lane ``(g, t)``: C value ``c0 + 2 c1`` is MMA row ``g + 8 c1`` (a weight row, i.e.
+    an output column) and MMA column ``2t + c0`` (an input row).
+
+        >>> [accumulator_coords(v, 1, 2) for v in range(4)]
+        [(4, 1), (5, 1), (4, 9), (5, 9)]
+    """
+    return 2 * t + v % 2, g + 8 * (v // 2)
+
+
+@functools.lru_cache(maxsize=1)
+def build_gemv_class() -> type:
+    """Import CuTeDSL and define :class:`SmallMGemvKernel` (cached)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from branchyard.lowering.nvgemm._cutedsl_epilogue import apply_steps
+    from branchyard.lowering.nvgemm.kernel_config import GEMV_K_STEP, GEMV_ROWS
+
+    chunk = CHUNK
+    chunks_per_step = GEMV_K_STEP // chunk
+    places = placements()
+
+    class SmallMGemvKernel:
+        """``out = epilogue(A @ B^T)`` with A (M, K), B (N, K) row-major, out (M, N); see module doc."""
+
+        def __init__(self, steps: tuple, config: Any, types: dict) -> None:
+            self.steps = steps
+            self.config = config
+            self.types = types
+            self.warps = config.warps
+            self.m_block = config.m_block
+            self.n_mma = config.m_block // 8  # MMAs (8 input rows each) per k16 step
+
+        # ------------------------------------------------------------------ host
+        @cute.jit
+        def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, stream):
+            op = cute.nvgpu.warp.MmaF16BF16Op(mA.element_type, cutlass.Float32, (16, 8, 16))
+            tiled_mma = cute.make_tiled_mma(op)
+            row_groups = mB.shape[0] // GEMV_ROWS
+            m_groups = (mC.shape[0] + self.m_block - 1) // self.m_block
+            self.kernel(mA, mB, mC, operands, tiled_mma).launch(
+                grid=(row_groups, m_groups, 1),
+                block=[32 * self.warps, 1, 1],
+                stream=stream,
+            )
+
+        # ---------------------------------------------------------------- device
+        @cute.kernel
+        def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, tiled_mma: cute.TiledMma):
+            # Loop bodies and branches live in helper methods: the tracer carries loop and
+            # branch state through the kernel's own locals only, and these helpers' Python
+            # lists and ints must not become that state.
+            bidx, bidy, _ = cute.arch.block_idx()
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = cute.arch.lane_idx()
+            g = lane // 4
+            t = lane % 4
+            m_last = mC.shape[0] - 1
+            row0 = bidx * GEMV_ROWS
+            m0 = bidy * self.m_block
+
+            smem = cutlass.utils.SmemAllocator()
+            # One slot per (lane, accumulator, warp): lane fastest, so the writes do not conflict.
+            partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((32, 4 * self.n_mma, self.warps)), 16)
+
+            ab = mA.element_type
+            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.n_mma)]
+            a_frag = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16))) for _ in range(4)]
+            b_frag = [
+                [tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16))) for _ in range(4)]
+                for _ in range(self.n_mma)
+            ]
+            # w_buf[2 * half + c]: weight row g + 8 * half, chunk c (0: 8t, 1: 32 + 8t of the step).
+            w_buf = [cute.make_rmem_tensor((1, chunk), ab) for _ in range(4)]
+            x_buf = [[cute.make_rmem_tensor((1, chunk), ab) for _ in range(2)] for _ in range(self.n_mma)]
+            w_rows = [row0 + g, row0 + g + 8]
+            x_rows = [cutlass.min(m0 + 8 * i + g, m_last) for i in range(self.n_mma)]
+            self._zero(acc)
+
+            k_steps = mA.shape[1] // GEMV_K_STEP
+            for step in cutlass.range(warp, k_steps, self.warps, unroll=2):
+                self._k_step(mA, mB, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf, w_rows, x_rows, step, t)
+
+            self._stash(partial, acc, lane, warp)
+            cute.arch.sync_threads()
+            if warp == 0:
+                self._reduce_and_store(partial, mC, operands, lane, g, t, row0, m0)
+
+        def _zero(self, acc):
+            for frag in acc:
+                frag.fill(0.0)
+
+        def _k_step(self, mA, mB, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf, w_rows, x_rows, step, t):
+            """One 64-wide K step of this warp: 16-byte loads of two weight rows and the
+            input rows, placed into the MMA fragments (see the module doc), 4 x n_mma MMAs."""
+            first = step * chunks_per_step + t
+            for c in range(2):
+                col = first + 4 * c
+                for half in range(2):
+                    cute.autovec_copy(cute.local_tile(mB, (1, chunk), (w_rows[half], col)), w_buf[2 * half + c])
+                for j in range(self.n_mma):
+                    cute.autovec_copy(cute.local_tile(mA, (1, chunk), (x_rows[j], col)), x_buf[j][c])
+            for p in places:
+                a_frag[p.kk][p.a_lo] = w_buf[p.c][p.off]  # weight row g
+                a_frag[p.kk][p.a_hi] = w_buf[2 + p.c][p.off]  # weight row g + 8
+                for j in range(self.n_mma):
+                    b_frag[j][p.kk][p.s] = x_buf[j][p.c][p.off]
+            for kk in range(4):
+                for j in range(self.n_mma):
+                    cute.gemm(tiled_mma, acc[j], a_frag[kk][None, None, 0], b_frag[j][kk][None, None, 0], acc[j])
+
+        def _stash(self, partial, acc, lane, warp):
+            for j in range(self.n_mma):
+                for v in range(4):
+                    partial[lane, 4 * j + v, warp] = acc[j][v]
+
+        def _reduce_and_store(self, partial, mC, operands, lane, g, t, row0, m0):
+            """Warp 0: sum the warps' partial accumulators, run the epilogue, store the rows below M."""
+            m_last = mC.shape[0] - 1
+            n_last = mC.shape[1] - 1
+            vals = cute.make_rmem_tensor((4 * self.n_mma,), cutlass.Float32)
+            coords = []
+            for j in range(self.n_mma):
+                for v in range(4):
+                    total = partial[lane, 4 * j + v, 0]
+                    for w in range(1, self.warps):
+                        total = total + partial[lane, 4 * j + v, w]
+                    vals[4 * j + v] = total
+                    row, col = accumulator_coords(v, g, t)
+                    coords.append((m0 + 8 * j + row, row0 + col))
+            if len(self.steps) > 0:
+                apply_steps(self.steps, None, vals, coords, None, None, operands, m_last, n_last)
+            for i in range(4 * self.n_mma):
+                row, col = coords[i]
+                self._store(mC, vals[i], row, col, m_last)
+
+        @cute.jit
+        def _store(self, mC: Any, value: Any, row: Any, col: Any, m_last: Any):
+            if row <= m_last:
+                mC[row, col] = value.to(mC.element_type)
+
+    return SmallMGemvKernel

@@ -141,12 +141,14 @@ def build_gemv_class() -> type:
             partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((32, 4 * self.n_mma, self.warps)), 16)
 
             ab = mA.element_type
-            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.n_mma)]
-            a_frag = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16))) for _ in range(4)]
-            b_frag = [
-                [tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16))) for _ in range(4)]
-                for _ in range(self.n_mma)
-            ]
+            # Register fragments as plain compact tensors of the MMA's partition shapes
+            # (((2, 2, 2), 1, 1) for A, ((2, 2), 1, 1) for B and C): flat index = PTX register order.
+            acc_shape = tiled_mma.partition_shape_C((16, 8))
+            a_shape = tiled_mma.partition_shape_A((16, 16))
+            b_shape = tiled_mma.partition_shape_B((8, 16))
+            acc = [cute.make_rmem_tensor(acc_shape, cutlass.Float32) for _ in range(self.n_mma)]
+            a_frag = [cute.make_rmem_tensor(a_shape, ab) for _ in range(4)]
+            b_frag = [[cute.make_rmem_tensor(b_shape, ab) for _ in range(4)] for _ in range(self.n_mma)]
             # w_buf[2 * half + c]: weight row g + 8 * half, chunk c (0: 8t, 1: 32 + 8t of the step).
             w_buf = [cute.make_rmem_tensor((1, chunk), ab) for _ in range(4)]
             x_buf = [[cute.make_rmem_tensor((1, chunk), ab) for _ in range(2)] for _ in range(self.n_mma)]

@@ -138,6 +138,16 @@ def column(name, build, model, x, steps_t, steps, reps, dtype, row):
     print(json.dumps({k: v for k, v in row.items() if k.startswith(name)}), file=sys.stderr, flush=True)
 
 
+def floor_us(weight_bytes: float, copy_gbs: float, empty_us: float) -> dict:
+    """The step's floor: one read of the weights at the measured DRAM rate, plus an empty WHILE+SWITCH step.
+
+    ``copy_gbs`` counts the bytes a copy reads and writes, i.e. what DRAM moves per
+    second, so reading ``weight_bytes`` once takes ``weight_bytes / copy_gbs``.
+    """
+    hbm = weight_bytes / (copy_gbs * 1e9) * 1e6
+    return {"hbm_floor_us": round(hbm, 2), "floor_us": round(hbm + empty_us, 2)}
+
+
 def bench(dim: int, hidden: int, batch: int, args) -> dict:
     torch.manual_seed(0)
     dtype = torch.bfloat16
@@ -148,9 +158,8 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
     weights = sum(p.numel() * p.element_size() for e in model.experts[:1] for p in e.parameters())
     weights += model.router.numel() * model.router.element_size()
     row["weight_bytes_per_step"] = weights
-    row["hbm_floor_us"] = round(weights / (args.copy_gbs * 1e9 / 2) * 1e6, 2)  # one read of the weights
     row["empty_loop_us"] = round(args.empty_us, 2)
-    row["floor_us"] = round(row["hbm_floor_us"] + args.empty_us, 2)
+    row.update(floor_us(weights, args.copy_gbs, args.empty_us))
     cols = set(args.columns)
     with torch.no_grad():
         ep = None
@@ -199,6 +208,8 @@ def markdown(rows: list[dict]) -> str:
     head = ["torch", "shape", "batch", *cols, "floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        if "copy_gbs" in r:  # recomputed, so rows written by older versions of this script agree
+            r = {**r, **floor_us(r["weight_bytes_per_step"], r["copy_gbs"], r["empty_loop_us"])}
         cells = [r.get("torch", "?").split("+")[0], f"{r['dim']}x{r['hidden']}", str(r["batch"])]
         for c in cols:
             if f"{c}_us_per_step" in r:

@@ -19,7 +19,8 @@ Blocks, built here with the widths of widely used models (bfloat16, random weigh
 at M (tokens) in {1, 16, 64, 512, 2048, 8192}.
 
 Columns (microseconds per call, median of ``--repeats`` blocks of ``--iters``
-calls between CUDA events, no L2 flush: a model calls its blocks back to back):
+calls between CUDA events, no L2 flush: a model calls its blocks back to back;
+the columns' blocks alternate, so host noise hits all of them alike):
 
 * ``module``     the eager ``nn.Module``
 * ``unrewritten``  ``torch.export.export(block).module()``
@@ -139,28 +140,31 @@ def _check(name: str, got, want, dtype: torch.dtype) -> None:
             raise AssertionError(f"{name}: output off the eager block by {err:.3g} (relative to its max)")
 
 
-def _timer(device: torch.device, iters: int, repeats: int) -> Callable[[Callable[[], object]], float]:
-    if device.type == "cuda":
-        def time_us(fn):
-            samples = []
-            for _ in range(repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3 / iters)
-            return statistics.median(samples)
-    else:
-        def time_us(fn):
-            samples = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                samples.append((time.perf_counter() - t0) * 1e6 / iters)
-            return statistics.median(samples)
+def _timer(device: torch.device, iters: int, repeats: int) -> Callable[[dict[str, Callable[[], object]]], dict[str, float]]:
+    """Time several callables side by side: each repeat runs a block of ``iters``
+    calls of every one in turn, so all see the same host and GPU conditions;
+    the result is each one's median over the repeats (microseconds per call)."""
+    def block_us(fn) -> float:
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) * 1e3 / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / iters
+
+    def time_us(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                samples[name].append(block_us(fn))
+        return {name: statistics.median(v) for name, v in samples.items()}
+
     return time_us
 
 
@@ -195,14 +199,16 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
             callers["compile"] = torch.compile(block, mode=compile_mode, dynamic=False)
         time_us = _timer(device, iters, repeats)
         row: dict[str, float | str] = {"block": spec.name, "m": m}
+        eager, graphs = {}, {}
         for name, fn in callers.items():
             call = (lambda fn=fn: fn(*args))
             _check(f"{spec.name} M={m} {name}", call(), want, dtype)  # also the host-timing warm-up / tuning
-            row[f"{name}_eager"] = time_us(call)
+            eager[f"{name}_eager"] = call
             if device.type == "cuda":
                 with nvgemm.timing_mode("device"):
-                    replay = _graph(call)
-                row[f"{name}_graph"] = time_us(replay)
+                    graphs[f"{name}_graph"] = _graph(call)
+        row.update(time_us(eager))
+        row.update(time_us(graphs))
     return row
 
 
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--blocks", nargs="*", default=None, help="block names (default: all)")
     parser.add_argument("--m", nargs="*", type=int, default=None, help=f"M values (default {M_VALUES})")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     parser.add_argument("--no-compile", action="store_true", help="drop the torch.compile column")
     parser.add_argument("--markdown", action="store_true")

@@ -70,3 +70,13 @@ def test_targets_are_judged_from_time_ratios(bench):
     text = bench.report([row], markdown=False)
     assert "1.25x PASS" in text and "0.91x FAIL" in text
     assert "target rewritten >= 0.98x compile (graph): 0/1 rows pass" in text
+
+
+def test_columns_are_timed_side_by_side(bench):
+    import torch
+
+    order: list[str] = []
+    time_us = bench._timer(torch.device("cpu"), iters=2, repeats=3)
+    result = time_us({"a": lambda: order.append("a"), "b": lambda: order.append("b")})
+    assert order == ["a", "a", "b", "b"] * 3  # blocks alternate: a's block, b's block, per repeat
+    assert set(result) == {"a", "b"} and all(v >= 0 for v in result.values())

@@ -38,7 +38,9 @@ Semantics, as Python::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -218,13 +220,17 @@ _SYNC_ENTRY_POINTS: tuple[tuple[Any, str], ...] = (
 )
 
 
-def _refusing(real: Any, name: str, owner_thread: int) -> Any:
-    import functools
-    import threading
+#: Threads inside :func:`host_sync_forbidden` (ident -> nesting depth), and what it replaced.
+_FORBIDDING: dict[int, int] = {}
+_SAVED: list[tuple[Any, str, Any]] = []
+_SAVED_DEBUG_MODE: list[int] = []
+_FORBID_LOCK = threading.Lock()
 
+
+def _refusing(real: Any, name: str) -> Any:
     @functools.wraps(real)
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() != owner_thread:
+        if threading.get_ident() not in _FORBIDDING:
             return real(*args, **kwargs)
         raise LoweringError(
             f"{name}() was called during a CUDA graph capture",
@@ -240,27 +246,36 @@ def host_sync_forbidden() -> Iterator[None]:
     """Make host synchronizations on this thread raise instead of invalidating the capture.
 
     Python-level syncs (``torch.cuda.synchronize``, ``Stream.synchronize``,
-    ``Event.synchronize``) raise :class:`LoweringError` on the calling thread
-    (other threads are passed through); syncs inside ATen ops (``.item()``,
+    ``Event.synchronize``) raise :class:`LoweringError` on a thread inside this
+    context (other threads pass through); syncs inside ATen ops (``.item()``,
     device-to-host copies, ``nonzero``) raise through torch's sync debug mode,
-    set to ``"error"`` for the duration (a process-wide setting, restored after).
-    Either way nothing reaches CUDA, so the capture fails like any Python error.
+    set to ``"error"`` while any thread is inside (a process-wide setting,
+    restored when the last one leaves). Either way nothing reaches CUDA, so the
+    capture fails like any Python error. Threads may enter and leave in any
+    order and nest: the functions are replaced once, restored once.
     """
-    import threading
-
     me = threading.get_ident()
-    saved = [(owner, name, owner.__dict__[name]) for owner, name in _SYNC_ENTRY_POINTS if name in owner.__dict__]
-    debug_mode = torch._C._cuda_get_sync_debug_mode()  # the torch._C calls need no CUDA initialization
+    with _FORBID_LOCK:
+        if not _FORBIDDING:
+            _SAVED[:] = [(o, n, o.__dict__[n]) for o, n in _SYNC_ENTRY_POINTS if n in o.__dict__]
+            _SAVED_DEBUG_MODE[:] = [torch._C._cuda_get_sync_debug_mode()]  # needs no CUDA initialization
+            for owner, name, real in _SAVED:
+                label = "torch.cuda.synchronize" if owner is torch.cuda else f"torch.cuda.{owner.__name__}.{name}"
+                setattr(owner, name, _refusing(real, label))
+            _set_sync_debug_mode(2)  # "error"
+        _FORBIDDING[me] = _FORBIDDING.get(me, 0) + 1
     try:
-        for owner, name, real in saved:
-            label = "torch.cuda.synchronize" if owner is torch.cuda else f"torch.cuda.{owner.__name__}.{name}"
-            setattr(owner, name, _refusing(real, label, me))
-        _set_sync_debug_mode(2)  # "error"
         yield
     finally:
-        _set_sync_debug_mode(debug_mode)
-        for owner, name, real in saved:
-            setattr(owner, name, real)
+        with _FORBID_LOCK:
+            _FORBIDDING[me] -= 1
+            if not _FORBIDDING[me]:
+                del _FORBIDDING[me]
+            if not _FORBIDDING:
+                _set_sync_debug_mode(_SAVED_DEBUG_MODE[0])
+                for owner, name, real in _SAVED:
+                    setattr(owner, name, real)
+                _SAVED.clear()
 
 
 def _set_sync_debug_mode(mode: int) -> None:

@@ -68,7 +68,7 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
     graph = gm.graph
     end = chain.end
     spec = str(chain.spec)
-    target = fused_gemm_epilogue._opoverload
+    target = fused_gemm_epilogue
     args = (chain.a, chain.b, list(chain.operands), spec)
     with graph.inserting_before(end):
         fused = graph.call_function(target, args)

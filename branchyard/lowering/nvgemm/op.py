@@ -10,16 +10,16 @@ Semantics (``spec`` parsed by :meth:`EpilogueSpec.parse`)::
     return acc.to(spec.out_dtype).reshape(*a.shape[:-1], N)     # one store
 
 ``col`` operands hold ``N`` elements (any shape ``[..., 1, N]``), ``matrix``
-operands ``M * N`` elements in row-major order of the output. The op is a
-``torch.library.custom_op`` with a fake implementation, so programs that
-contain it still export, save/load (importing branchyard registers it) and
-trace with ``make_fx``. It is made for inference; its backward (so that
+operands ``M * N`` elements in row-major order of the output. The op is
+defined with ``torch.library`` (a backend kernel, a fake implementation and an
+Autograd kernel), so programs that contain it still export, save/load
+(importing branchyard registers it) and trace with ``make_fx``. It is made for inference; its backward (so that
 training and ``torch.compile`` with parameters that require grad still work)
 recomputes the chain on the reference path and differentiates that: correct,
 not fused.
 
 Where it runs (decided once per call signature -- spec, shapes, strides,
-dtypes, device, timing mode -- so a later call is a lookup and a launch):
+dtypes, devices, timing mode -- so a later call is a lookup and a launch):
 
 * where :func:`~.kernel_config.fused_kernel_ineligibility` finds nothing
   wrong: the tuned choice (:mod:`branchyard.lowering.nvgemm.tuner`), the
@@ -45,7 +45,8 @@ import logging
 import math
 import threading
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -186,9 +187,11 @@ def _spec_plan(text: str) -> _SpecPlan:
 
 @dataclass
 class CallPlan:
-    """The op's decision for one call signature (spec, every shape, stride and
-    dtype, the device, the timing mode), made on its first call: ``impl`` is
-    the tuned choice, or ``None`` when the call runs unfused for ``reason``."""
+    """The op's decision for one call signature (spec, every shape, stride,
+    dtype and device, the timing mode), made on its first call: ``impl`` is
+    the tuned choice, or ``None`` when the call runs unfused for ``reason``.
+    The other fields are what a later call needs to launch ``impl`` without
+    parsing or measuring anything again."""
 
     m: int
     n: int
@@ -199,6 +202,17 @@ class CallPlan:
     #: Reshape ``a`` to ``[M, K]`` / the operands to ``[N]`` or ``[M, N]`` first.
     reshape_a: bool = False
     reshape_ops: tuple[bool, ...] = ()
+    spec: EpilogueSpec | None = None
+    #: The weight is ``[N, K]``: the impl gets its transpose.
+    nk: bool = False
+    #: Per operand the shape it is reshaped to, ``None`` where it is passed as is;
+    #: ``None`` for the whole tuple when no operand is reshaped.
+    op_shapes: tuple[tuple[int, ...] | None, ...] | None = None
+    out_dtype: torch.dtype | None = None
+    device: torch.device | None = None
+    #: ``[N, K]`` weights seen with this signature: ``id -> (weakref, data_ptr, [K, N] view)``
+    #: (see :func:`_weight_kn`).
+    weights: dict[int, tuple] = field(default_factory=dict, repr=False, compare=False)
 
 
 #: Call signatures remembered before the table starts over (serving with many M).
@@ -206,8 +220,13 @@ _PLANS_LIMIT = 4096
 
 
 def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, mode: str) -> tuple:
-    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            *[(t.shape, t.stride(), t.dtype, t.device) for t in operands])
+    """The key of a call's :class:`CallPlan`: everything a plan depends on, built
+    from attributes that cost no dispatcher call (a list grown in place, then one
+    tuple: cheaper than nested tuples or a comprehension)."""
+    key = [spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device]
+    for t in operands:
+        key += (t.shape, t.stride(), t.dtype, t.device)
+    return tuple(key)
 
 
 def _as_2d(plan: _SpecPlan, call: CallPlan, a, b, operands):
@@ -236,8 +255,11 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
     """Check the arguments, decide fused or unfused, tune if fused (first call of a signature)."""
     s = plan.spec
     m, n, k = check_arguments(a, b, operands, s)
-    call = CallPlan(m, n, k, (*a.shape[:-1], n), reshape_a=a.dim() != 2,
-                    reshape_ops=tuple((t.dim() != 1) if col else (t.dim() != 2) for t, col in zip(operands, plan.col)))
+    reshape_ops = tuple((t.dim() != 1) if col else (t.dim() != 2) for t, col in zip(operands, plan.col))
+    op_shapes = tuple(((n,) if col else (m, n)) if again else None for col, again in zip(plan.col, reshape_ops))
+    call = CallPlan(m, n, k, (*a.shape[:-1], n), reshape_a=a.dim() != 2, reshape_ops=reshape_ops, spec=s,
+                    nk=plan.nk, op_shapes=op_shapes if any(reshape_ops) else None, out_dtype=s.out_dtype,
+                    device=a.device)
     if m == 0:
         call.reason = "M = 0: nothing to compute"
         return call
@@ -258,75 +280,173 @@ def _capturing(a: torch.Tensor) -> bool:
     return a.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _aligned(tensors) -> bool:
-    for t in tensors:
-        if t.data_ptr() % ALIGN_BYTES:
-            return False
-    return True
+def _first_sight(a, b, operands, spec: str, mode: TimingMode, key: tuple, tuner: Autotuner) -> CallPlan | None:
+    """The plan for a signature without one: made now (checks, tuning), or --
+    inside a CUDA-graph capture, where nothing may be tuned, compiled or loaded --
+    the one made for the other timing mode before the capture, else ``None``
+    (the caller runs unfused). Only this path asks whether a capture is on: a
+    known signature runs its plan either way."""
+    if _capturing(a):
+        # tuned for the other mode (an eager warm-up before a user's own capture)?
+        call = tuner.call_plans.get(_signature(a, b, operands, spec, "device" if mode == "host" else "host"))
+        if call is None:
+            _say_once("shape first seen inside a CUDA-graph capture (no tuning, compiling or loading "
+                      "while capturing; run the shape once before capture)")
+        return call
+    call = _plan_call(a, b, operands, _spec_plan(spec), spec, mode, tuner)
+    if len(tuner.call_plans) >= _PLANS_LIMIT:
+        tuner.call_plans.clear()
+    tuner.call_plans[key] = call
+    return call
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def fused_gemm_epilogue(
-    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str
-) -> torch.Tensor:
-    """Matmul + epilogue in one op (see the module docstring for semantics)."""
-    plan = _SPEC_PLANS.get(spec) or _spec_plan(spec)
+#: Weights whose transposed view a plan keeps, before it starts over.
+_WEIGHTS_LIMIT = 1024
+
+
+def _weight_kn(call: CallPlan, b: torch.Tensor, b_ptr: int) -> torch.Tensor:
+    """``b.t()`` for an ``[N, K]`` weight, made once per weight and plan: a
+    weight is the same tensor call after call, and a view costs a dispatcher
+    call. The view is of ``b.detach()`` (it does not keep ``b`` alive) and is
+    dropped when ``b`` is; it is used while ``b`` is the same tensor at the same
+    address (``.data =`` or ``set_`` move it; shape, strides and dtype are in
+    the plan's key)."""
+    weights = call.weights
+    hit = weights.get(id(b))
+    if hit is not None and hit[1] == b_ptr and hit[0]() is b:
+        return hit[2]
+    if len(weights) >= _WEIGHTS_LIMIT:
+        weights.clear()
+    key = id(b)
+
+    def forget(ref, key=key, weights=weights):
+        entry = weights.get(key)
+        if entry is not None and entry[0] is ref:
+            del weights[key]
+
+    view = b.detach().t()
+    weights[key] = (weakref.ref(b, forget), b_ptr, view)
+    return view
+
+
+def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str) -> torch.Tensor:
+    """The op's kernel on every backend (see the module docstring for semantics).
+
+    A known signature costs one key, one dict lookup, the views the impl takes
+    (the weight's is remembered), a pointer-alignment check, the output
+    allocation and the launch.
+    """
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
     key = _signature(a, b, operands, spec, mode)
     call = tuner.call_plans.get(key)
-    if _capturing(a):
-        if call is None:  # tuned for the other mode (an eager warm-up before a user's own capture)?
-            call = tuner.call_plans.get(_signature(a, b, operands, spec, "device" if mode == "host" else "host"))
+    if call is None:
+        call = _first_sight(a, b, operands, spec, mode, key, tuner)
         if call is None:
-            _say_once("shape first seen inside a CUDA-graph capture (no tuning, compiling or loading "
-                      "while capturing; run the shape once before capture)")
-            return run_unfused(a, b, operands, plan.spec)
-    elif call is None:
-        call = _plan_call(a, b, operands, plan, spec, mode, tuner)
-        if len(tuner.call_plans) >= _PLANS_LIMIT:
-            tuner.call_plans.clear()
-        tuner.call_plans[key] = call
+            return run_unfused(a, b, operands, _spec_plan(spec).spec)
     impl = call.impl
     if impl is None:
         _say_once(call.reason)  # type: ignore[arg-type]
-        return run_unfused(a, b, operands, plan.spec)
-    a2d, b_kn, ops2d = _as_2d(plan, call, a, b, operands)
-    if not _aligned((a2d, b_kn, *ops2d)):  # same shapes and strides, another storage offset
+        return run_unfused(a, b, operands, call.spec)  # type: ignore[arg-type]
+    a2d = a.reshape(call.m, call.k) if call.reshape_a else a
+    b_ptr = b.data_ptr()
+    if call.nk:
+        hit = call.weights.get(id(b))  # _weight_kn's hit test, inline
+        b_kn = hit[2] if hit is not None and hit[1] == b_ptr and hit[0]() is b else _weight_kn(call, b, b_ptr)
+    else:
+        b_kn = b
+    shapes = call.op_shapes
+    ops2d = operands if shapes is None else [t if s is None else t.reshape(s) for t, s in zip(operands, shapes)]
+    ptrs = a2d.data_ptr() | b_ptr
+    for t in ops2d:
+        ptrs |= t.data_ptr()
+    if ptrs % ALIGN_BYTES:  # same shapes and strides, another storage offset
         _say_once("a pointer is not 16-byte aligned")
-        return run_unfused(a, b, operands, plan.spec)
-    out = torch.empty((call.m, call.n), dtype=plan.spec.out_dtype, device=a.device)
+        return run_unfused(a, b, operands, call.spec)  # type: ignore[arg-type]
+    # empty_strided: the same row-major buffer as torch.empty, without its memory-format argument parsing
+    out = torch.empty_strided((call.m, call.n), (call.n, 1), dtype=call.out_dtype, device=call.device)
     res = impl(a2d, b_kn, ops2d, out)
     res = out if res is None else res
     return res.reshape(call.out_shape) if call.reshape_a else res
 
 
-@fused_gemm_epilogue.register_fake
+# --- registration ----------------------------------------------------------------
+#
+# One Python kernel per call on the common path. ``torch.library.custom_op``
+# would put two Python kernels and a wrapper in every call (its Autograd
+# kernel redispatching to a CompositeExplicitAutograd wrapper that checks
+# aliasing, then the function): about four ATen no-ops of host time. Here the
+# Autograd kernel runs the op's kernel itself when no input needs a gradient
+# and nothing sits between autograd and a CPU/CUDA backend (no fake or
+# functional tensors, no dispatch mode); everything else -- gradients, Meta and
+# fake tensors, export and compile tracing -- goes the ordinary dispatcher way.
+
+_LIB = torch.library.Library("branchyard", "FRAGMENT")
+_LIB.define("fused_gemm_epilogue(Tensor a, Tensor b, Tensor[] operands, str spec) -> Tensor",
+            tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.impl("fused_gemm_epilogue", _fused_gemm_epilogue, "CompositeExplicitAutograd")
+
+#: The op as the dispatcher sees it (what fused graphs and exported programs call).
+fused_gemm_epilogue = torch.ops.branchyard.fused_gemm_epilogue.default
+
+
 def _fused_gemm_epilogue_fake(a, b, operands, spec):
     s = parse_spec(spec)
     n = b.shape[1] if s.weight_layout == "kn" else b.shape[0]
     return a.new_empty((*a.shape[:-1], n), dtype=s.out_dtype)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    a, b, operands, spec = inputs
-    ctx.save_for_backward(a, b, *operands)
-    ctx.spec = spec
+torch.library.register_fake(OP_NAME, _fused_gemm_epilogue_fake, lib=_LIB)
 
 
-def _backward(ctx, grad):
-    # Recompute the chain on the reference path and differentiate it: the
-    # backward is rare (this is an inference lowering) and must not diverge
-    # from the forward's semantics.
-    a, b, *operands = ctx.saved_tensors
-    spec = parse_spec(ctx.spec)
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in (a, b, *operands)]
-        out = reference_fused_gemm(leaves[0], leaves[1], leaves[2:], spec)
-        wanted = [t for t in leaves if t.requires_grad]
-        got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype), allow_unused=True))
-        grads = [next(got) if t.requires_grad else None for t in leaves]
-    return grads[0], grads[1], list(grads[2:]), None
+class _Differentiable(torch.autograd.Function):
+    """The op where an input needs a gradient. Its backward recomputes the
+    chain on the reference path and differentiates that: the backward is rare
+    (this is an inference lowering) and must not diverge from the forward's
+    semantics."""
+
+    @staticmethod
+    def forward(ctx, keyset, spec, a, b, *operands):  # type: ignore[override]
+        with torch._C._AutoDispatchBelowAutograd():
+            out = fused_gemm_epilogue.redispatch(keyset & _AFTER_AUTOGRAD, a, b, list(operands), spec)
+        ctx.save_for_backward(a, b, *operands)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        a, b, *operands = ctx.saved_tensors
+        spec = parse_spec(ctx.spec)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.dtype.is_floating_point) for t in (a, b, *operands)]
+            out = reference_fused_gemm(leaves[0], leaves[1], leaves[2:], spec)
+            wanted = [t for t in leaves if t.requires_grad]
+            got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype), allow_unused=True))
+            grads = [next(got) if t.requires_grad else None for t in leaves]
+        return None, None, *grads
 
 
-fused_gemm_epilogue.register_autograd(_backward, setup_context=_setup_context)
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+#: Backends whose kernel is :func:`_fused_gemm_epilogue` itself (CompositeExplicitAutograd).
+_DIRECT_BACKENDS = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA})
+
+
+#: Per dispatch key set (its raw bits): whether the call would next reach
+#: :func:`_fused_gemm_epilogue` on a CPU/CUDA backend with nothing in between.
+_DIRECT: dict[int, bool] = {}
+
+
+def _autograd_kernel(keyset, a, b, operands, spec):
+    if torch._C.is_grad_enabled() and torch._C._any_requires_grad(a, b, operands):
+        return _Differentiable.apply(keyset, spec, a, b, *operands)
+    raw = keyset.raw_repr()
+    direct = _DIRECT.get(raw)
+    if direct is None:
+        direct = _DIRECT[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DIRECT_BACKENDS
+    if direct:
+        return _fused_gemm_epilogue(a, b, operands, spec)  # what the redispatch would reach, one trip fewer
+    with torch._C._AutoDispatchBelowAutograd():
+        return fused_gemm_epilogue.redispatch(keyset & _AFTER_AUTOGRAD, a, b, operands, spec)
+
+
+_LIB.impl("fused_gemm_epilogue", _autograd_kernel, "Autograd", with_keyset=True)

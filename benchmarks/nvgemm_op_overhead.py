@@ -4,18 +4,21 @@ is tuned, measured on CPU with a no-op implementation (issue 12 item 2).
 The op's work is swapped for a candidate that returns its output buffer, and
 eligibility is forced, so what is timed is everything the op does around the
 launch: dispatch, argument checks, the choice lookup, the output allocation.
-Columns (microseconds per call, the fastest of ``--repeats`` blocks of ``--calls``:
-on a shared machine the minimum is the figure least disturbed by other load):
+Columns (microseconds per call: the median over ``--repeats`` rounds, each
+round timing one block of ``--calls`` calls of every column in turn, so load
+from other processes on a shared machine falls on all columns alike; each
+column also as a ratio to ``aten_noop`` of the same rounds):
 
 * ``aten_noop``    ``torch.ops.aten.alias`` through the dispatcher: the floor any op pays;
 * ``op``           ``torch.ops.branchyard.fused_gemm_epilogue.default`` (what an exported
                    program calls), no tensor requiring grad;
 * ``op_in_graph``  the same inside a ``torch.fx`` GraphModule (``ep.module()``'s path);
-* ``op_body``      the op's own Python function, called directly (the op's share of ``op``;
-                   the rest is ``torch.library``'s custom-op dispatch);
-* ``impl``         the no-op implementation called directly (the launch stand-in).
+* ``op_body``      the op's kernel (``op._fused_gemm_epilogue``), called directly (the op's
+                   share of ``op``; the rest is the dispatcher's trip into Python);
+* ``impl``         the no-op implementation called directly on views made beforehand
+                   (the launch stand-in).
 
-    python benchmarks/nvgemm_op_overhead.py [--calls 2000] [--repeats 7] [--markdown]
+    python benchmarks/nvgemm_op_overhead.py [--calls 2000] [--repeats 15] [--markdown]
 
 Figures go to docs/benchmarks.md (machine, versions, date).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import tempfile
 import time
 import warnings
@@ -65,20 +69,30 @@ def _setup():
     return noop
 
 
-def _per_call_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(100):
+def _block_us(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
-    blocks = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _interleaved(fns: dict, calls: int, repeats: int) -> dict[str, float]:
+    """Per column the median microseconds per call and the median ratio to
+    ``aten_noop`` (as ``<name>/noop``), over rounds that time every column in turn."""
+    for fn in fns.values():
+        for _ in range(100):
             fn()
-        blocks.append((time.perf_counter() - t0) / calls * 1e6)
-    return min(blocks)
+    rounds = []
+    for _ in range(repeats):
+        rounds.append({name: _block_us(fn, calls) for name, fn in fns.items()})
+    got = {name: statistics.median(r[name] for r in rounds) for name in fns}
+    got.update({f"{name}/noop": statistics.median(r[name] / r["aten_noop"] for r in rounds)
+                for name in fns if name != "aten_noop"})
+    return got
 
 
-def measure(calls: int = 2000, repeats: int = 7, m: int = 16, k: int = 64, n: int = 128) -> dict[str, float]:
-    """Microseconds per call of each column (see the module docstring)."""
+def measure(calls: int = 2000, repeats: int = 15, m: int = 16, k: int = 64, n: int = 128) -> dict[str, float]:
+    """Microseconds per call of each column and its ratio to ``aten_noop`` (see the module docstring)."""
     noop = _setup()
     warnings.simplefilter("ignore")
     dtype = torch.bfloat16
@@ -87,9 +101,11 @@ def measure(calls: int = 2000, repeats: int = 7, m: int = 16, k: int = 64, n: in
     bias, res = torch.randn(n, dtype=dtype), torch.randn(m, n, dtype=dtype)
     spec = "w=nk;bias@0;gelu_tanh;residual@1;out=bfloat16"
     op = torch.ops.branchyard.fused_gemm_epilogue.default
-    from branchyard.lowering.nvgemm.op import fused_gemm_epilogue
+    from branchyard.lowering.nvgemm import op as op_mod
 
-    body = fused_gemm_epilogue._init_fn  # the function torch.library.custom_op wraps
+    body = getattr(op_mod, "_fused_gemm_epilogue", None)  # the op's kernel
+    if body is None:  # before the op was registered by hand it was a torch.library.custom_op
+        body = op_mod.fused_gemm_epilogue._init_fn
     ops = [bias, res]
 
     class Block(torch.nn.Module):
@@ -98,35 +114,39 @@ def measure(calls: int = 2000, repeats: int = 7, m: int = 16, k: int = 64, n: in
 
     gm = torch.fx.symbolic_trace(Block())
     out = torch.empty(m, n, dtype=dtype)
+    w_kn = w.t()
     with torch.inference_mode(False), torch.no_grad():
         op(a, w, ops, spec)  # tunes (the no-op candidate) once
-        return {
-            "aten_noop": _per_call_us(lambda: torch.ops.aten.alias.default(a), calls, repeats),
-            "op": _per_call_us(lambda: op(a, w, ops, spec), calls, repeats),
-            "op_in_graph": _per_call_us(lambda: gm(a, w, bias, res), calls, repeats),
-            "op_body": _per_call_us(lambda: body(a, w, ops, spec), calls, repeats),
-            "impl": _per_call_us(lambda: noop(a, w.t(), ops, out), calls, repeats),
-        }
+        return _interleaved({
+            "aten_noop": lambda: torch.ops.aten.alias.default(a),
+            "op": lambda: op(a, w, ops, spec),
+            "op_in_graph": lambda: gm(a, w, bias, res),
+            "op_body": lambda: body(a, w, ops, spec),
+            "impl": lambda: noop(a, w_kn, ops, out),
+        }, calls, repeats)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table row set")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     got = measure(args.calls, args.repeats)
     header = f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    names = [n for n in got if "/" not in n]
+    ratio = lambda name: got.get(f"{name}/noop", 1.0)  # noqa: E731
     if args.markdown:
-        print(f"| column | us / call |  ({header})\n|---|---|")
-        for name, us in got.items():
-            print(f"| {name} | {us:.2f} |")
+        print(f"| column | us / call | x aten_noop |  ({header})\n|---|---|---|")
+        for name in names:
+            print(f"| {name} | {got[name]:.2f} | {ratio(name):.2f} |")
     else:
         print(header)
-        for name, us in got.items():
-            print(f"{name:12s} {us:8.2f} us/call")
-        print(f"op host cost over the dispatcher floor: {got['op'] - got['aten_noop']:.2f} us/call")
+        for name in names:
+            print(f"{name:12s} {got[name]:8.2f} us/call  {ratio(name):6.2f} x aten_noop")
+        print(f"op host cost over its impl: {got['op'] - got['impl']:.2f} us/call "
+              f"({ratio('op') - ratio('impl'):.2f} x aten_noop)")
     return got
 
 

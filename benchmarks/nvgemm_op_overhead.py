@@ -18,7 +18,7 @@ column also as a ratio to ``aten_noop`` of the same rounds):
 * ``impl``         the no-op implementation called directly on views made beforehand
                    (the launch stand-in).
 
-    python benchmarks/nvgemm_op_overhead.py [--calls 2000] [--repeats 15] [--markdown]
+    python benchmarks/nvgemm_op_overhead.py [--calls 2000] [--repeats 15] [--device cpu|cuda] [--markdown]
 
 Figures go to docs/benchmarks.md (machine, versions, date).
 """
@@ -91,14 +91,15 @@ def _interleaved(fns: dict, calls: int, repeats: int) -> dict[str, float]:
     return got
 
 
-def measure(calls: int = 2000, repeats: int = 15, m: int = 16, k: int = 64, n: int = 128) -> dict[str, float]:
+def measure(calls: int = 2000, repeats: int = 15, m: int = 16, k: int = 64, n: int = 128,
+            device: str = "cpu") -> dict[str, float]:
     """Microseconds per call of each column and its ratio to ``aten_noop`` (see the module docstring)."""
     noop = _setup()
     warnings.simplefilter("ignore")
     dtype = torch.bfloat16
-    a = torch.randn(m, k, dtype=dtype)
-    w = torch.randn(n, k, dtype=dtype)
-    bias, res = torch.randn(n, dtype=dtype), torch.randn(m, n, dtype=dtype)
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device)
+    bias, res = torch.randn(n, dtype=dtype, device=device), torch.randn(m, n, dtype=dtype, device=device)
     spec = "w=nk;bias@0;gelu_tanh;residual@1;out=bfloat16"
     op = torch.ops.branchyard.fused_gemm_epilogue.default
     from branchyard.lowering.nvgemm import op as op_mod
@@ -113,7 +114,7 @@ def measure(calls: int = 2000, repeats: int = 15, m: int = 16, k: int = 64, n: i
             return op(x, w, [bias, res], spec)
 
     gm = torch.fx.symbolic_trace(Block())
-    out = torch.empty(m, n, dtype=dtype)
+    out = torch.empty(m, n, dtype=dtype, device=device)
     w_kn = w.t()
     with torch.inference_mode(False), torch.no_grad():
         op(a, w, ops, spec)  # tunes (the no-op candidate) once
@@ -131,10 +132,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table row set")
+    parser.add_argument("--device", default="cpu",
+                        help="where the tensors live: cuda adds the CUDA allocator and device handling "
+                             "(the no-op implementation launches nothing)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    got = measure(args.calls, args.repeats)
-    header = f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, torch {torch.__version__}"
+    got = measure(args.calls, args.repeats, device=args.device)
+    header = (f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "
+              f"torch {torch.__version__}, tensors on {args.device}")
     names = [n for n in got if "/" not in n]
     ratio = lambda name: got.get(f"{name}/noop", 1.0)  # noqa: E731
     if args.markdown:

@@ -10,7 +10,7 @@ way this library knows to run a matmul + epilogue chain.
 ``cublas:addmm``                    cuBLAS's ``alpha`` and ``C`` input, when that is the chain
 ``cublaslt:_addmm_activation+aten`` cuBLASLt on the chain's prefix, the rest as ATen ops
 ``cublas:addmm+aten``               ``addmm`` on the chain's prefix, the rest as ATen ops
-``triton:inductor``                 the unfused chain compiled by Inductor (max-autotune)
+``triton:inductor``                 the unfused chain compiled by Inductor (max-autotune), no Dynamo
 ``aten:unfused``                    the original ATen ops, unfused: always offered, so the
                                     tuned choice is never slower than the program was
 ==================================  ============================================================
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,7 +57,7 @@ from branchyard.lowering.nvgemm.kernel_config import (
 )
 from branchyard.lowering.nvgemm.problem import Impl, Problem
 
-__all__ = ["Candidate", "UNFUSED", "default_candidates", "unfused_impl"]
+__all__ = ["Candidate", "UNFUSED", "compile_chain", "default_candidates", "unfused_impl"]
 
 logger = logging.getLogger("branchyard")
 
@@ -228,46 +228,120 @@ def _addmm_prefix_build(problem: Problem) -> Impl:
 
 
 # --- Triton through Inductor ---------------------------------------------------
+#
+# The chain is traced to an FX graph for the exact inputs (make_fx on fake
+# tensors) and compiled by Inductor directly: a plain function, no Dynamo
+# frame, no guards to evaluate per call, and no shared code object for Dynamo's
+# recompile limit to run into (torch.compile of many chains hit it after 8 and
+# ran them eagerly, silently). Being unguarded, a compiled function is only
+# ever called with the shapes and strides it was compiled for: the
+# implementation looks its function up by them and compiles a new shape on
+# first sight -- except inside a CUDA-graph capture, past the process cap, or
+# when the compile fails, where it runs the chain eagerly (and says why once).
 
-#: (spec, mode, shapes, dtypes, strides) -> the compiled chain. Shared by the
-#: op's tuner and the benchmark, so each shape compiles once per process.
+#: (spec, mode, dtypes, device), (M, N, K), every shape and stride -> the
+#: compiled chain. Shared by the op's tuner and the benchmark, so each shape
+#: compiles once per process.
 _INDUCTOR_FNS: dict[tuple, Callable[..., torch.Tensor]] = {}
-_CHAIN_IDS = itertools.count()
+_INDUCTOR_LOCK = threading.RLock()
+_INDUCTOR_SAID: set[str] = set()
 
 
-def _fresh_chain(spec: EpilogueSpec) -> Callable[..., torch.Tensor]:
-    """The unfused chain as a function with its OWN code object: Dynamo keeps
-    its compile cache (and recompile limit) per code object, so one shared
-    function would fall back to eager after a handful of shapes."""
-    # A unique name and file too: some of Dynamo's per-function state is keyed
-    # by (file, line, name) rather than by the code object.
-    name = f"nvgemm_chain_{next(_CHAIN_IDS)}"
-    ns: dict[str, Any] = {"_chain": unfused_aten_epilogue, "_spec": spec, "torch": torch}
-    src = f"def {name}(a, b_kn, *ops):\n    return _chain(torch.mm(a, b_kn), _spec, list(ops))\n"
-    exec(compile(src, f"<branchyard {name}>", "exec"), ns)
-    return ns[name]
+def _inductor_cap() -> int:
+    return int(os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "32"))
+
+
+def _inductor_options(mode: str) -> dict[str, Any]:
+    """What ``torch.compile(mode=mode)`` would set in Inductor's config, less
+    Inductor's own CUDA graphs: the op is captured into its caller's graphs,
+    and those cannot nest."""
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(mode))
+    options["triton.cudagraphs"] = False
+    return options
+
+
+def compile_chain(spec: EpilogueSpec, mode: str, a: torch.Tensor, b_kn: torch.Tensor,
+                  operands: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The unfused chain compiled by Inductor for exactly these inputs' shapes,
+    strides, dtypes and device: ``fn(a, b_kn, *operands) -> result``, without
+    Dynamo (traced with ``make_fx`` on fake tensors, compiled with
+    ``torch._inductor.compile`` and ``mode``'s options)."""
+    import torch._inductor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def chain(a, b_kn, *ops):
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops))
+
+    inputs = [a, b_kn, *operands]
+    graph = make_fx(chain, tracing_mode="fake")(*inputs)
+    return torch._inductor.compile(graph, inputs, options=_inductor_options(mode))
+
+
+def _capturing(a: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``a``'s device (no compiling then)."""
+    return a.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _eager_chain(spec: EpilogueSpec, reason: str) -> Callable[..., torch.Tensor]:
+    """The chain as ATen ops, for a shape that is not compiled; its
+    ``eager_reason`` says why (logged once per reason)."""
+    if reason not in _INDUCTOR_SAID:
+        _INDUCTOR_SAID.add(reason)
+        logger.warning("nvgemm: triton:inductor runs its chain eagerly: %s", reason)
+
+    def eager(a, b_kn, *ops):
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops))
+
+    eager.eager_reason = reason  # type: ignore[attr-defined]
+    return eager
+
+
+def _inductor_fn(key: tuple, spec: EpilogueSpec, mode: str, a, b_kn, operands) -> Callable[..., torch.Tensor]:
+    """The compiled chain for ``key`` (see :data:`_INDUCTOR_FNS`), compiled now
+    if it is new, or the eager chain where compiling is not allowed or fails."""
+    with _INDUCTOR_LOCK:
+        fn = _INDUCTOR_FNS.get(key)
+        if fn is not None:
+            return fn
+        shape = f"a {list(a.shape)}{tuple(a.stride())}, b {list(b_kn.shape)}{tuple(b_kn.stride())} [{spec}]"
+        if _capturing(a):
+            return _eager_chain(spec, f"{shape} first seen inside a CUDA-graph capture (no compiling while capturing)")
+        cap = _inductor_cap()
+        if len(_INDUCTOR_FNS) >= cap:
+            fn = _eager_chain(spec, f"{shape}: {cap} Inductor compiles already made in this process "
+                                    "(raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more)")
+        else:
+            try:
+                fn = compile_chain(spec, mode, a, b_kn, list(operands))
+            except Exception as exc:  # a shape Inductor cannot compile: never an error out of the op
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                fn = _eager_chain(spec, f"{shape}: the compile failed: {type(exc).__name__}: {first}")
+        _INDUCTOR_FNS[key] = fn
+        return fn
 
 
 def _inductor_build(problem: Problem, mode: str) -> Impl:
-    key = (str(problem.spec), mode, problem.m, problem.n, problem.k, problem.dtype, problem.operand_dtypes,
-           problem.a_layout, problem.b_layout, problem.operand_layouts, problem.device)
-    compiled = _INDUCTOR_FNS.get(key)
-    if compiled is None:
-        cap = int(os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "32"))
-        if len(_INDUCTOR_FNS) >= cap:
-            raise LoweringError(
-                f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)",
-                where="triton:inductor candidate", hint="raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more",
-            )
-        compiled = torch.compile(_fresh_chain(problem.spec), mode=mode, dynamic=False, fullgraph=True)
-        _INDUCTOR_FNS[key] = compiled
+    head = (str(problem.spec), mode, problem.dtype, problem.operand_dtypes, problem.device)
+    mnk = (problem.m, problem.n, problem.k)
+    cap = _inductor_cap()
+    if len(_INDUCTOR_FNS) >= cap and not any(key[:2] == (head, mnk) for key in _INDUCTOR_FNS):
+        raise LoweringError(
+            f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)",
+            where="triton:inductor candidate", hint="raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more",
+        )
+    spec = problem.spec
 
     def impl(a, b_kn, operands, out):
-        # Always below autograd, as inside our custom op: Dynamo guards on the
-        # inputs' dispatch keys, and a call from each side would compile (and
-        # max-autotune) the chain twice, into possibly different kernels.
-        with torch._C._AutoDispatchBelowAutograd():
-            return compiled(a, b_kn, *operands)
+        layout = [a.shape, a.stride(), b_kn.shape, b_kn.stride()]
+        for t in operands:
+            layout += (t.shape, t.stride())
+        key = (head, (a.shape[0], b_kn.shape[1], a.shape[1]), tuple(layout))
+        fn = _INDUCTOR_FNS.get(key)
+        if fn is None:
+            fn = _inductor_fn(key, spec, mode, a, b_kn, operands)
+        return fn(a, b_kn, *operands)
 
     return impl
 

@@ -1,0 +1,159 @@
+"""The ``triton:inductor`` candidate without Dynamo (CPU: Inductor's C++
+backend): the chain is traced with make_fx and compiled by Inductor for each
+exact shape and stride; many chains compile in one process without Dynamo's
+recompile limit (no Dynamo frame at all), a call never enters Dynamo, a new
+shape of a built implementation compiles its own function, and where
+compiling is not allowed (a CUDA-graph capture, past the process cap) or
+fails, the chain runs eagerly and says why once."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from branchyard.lowering.nvgemm import NvGemmFallbackWarning
+from branchyard.lowering.nvgemm import candidates as cands_mod
+from branchyard.lowering.nvgemm import op as op_mod
+from branchyard.lowering.nvgemm import tuner as tuner_mod
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+from branchyard.lowering.nvgemm.problem import Problem
+from branchyard.lowering.nvgemm.tuner import Autotuner
+from branchyard.lowering.nvgemm.winners import WinnerDB
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(monkeypatch):
+    monkeypatch.setattr(cands_mod, "_INDUCTOR_FNS", {})
+    monkeypatch.setattr(cands_mod, "_INDUCTOR_SAID", set())
+    monkeypatch.delenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", raising=False)
+
+
+def _dynamo_state() -> dict:
+    return {k: dict(counters[k]) for k in ("frames", "stats", "recompiles", "graph_break")}
+
+
+def _case(text: str, m: int, n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    spec = EpilogueSpec.parse(f"w=kn;{text};out=float32")
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g) / k**0.5
+    ops = [torch.randn(n, generator=g) if st.op.operand == "col" else torch.randn(m, n, generator=g)
+           for st in spec.steps if st.op.operand in ("col", "matrix")]
+    return a, b, ops, spec
+
+
+CHAINS = [
+    ("bias@0;relu", 8, 16, 32),
+    ("bias@0;gelu_tanh", 8, 16, 32),
+    ("bias@0;gelu_erf;residual@1", 4, 24, 16),
+    ("bias@0;silu", 12, 8, 16),
+    ("scale:0.5;residual@0", 8, 16, 8),
+    ("sigmoid", 5, 16, 16),
+    ("tanh", 8, 32, 16),
+    ("scale_col@0;relu", 16, 16, 16),
+    ("bias@0;gelu_tanh;residual@1", 3, 8, 24),
+    ("bias@0;relu", 6, 16, 32),
+]
+
+
+def test_more_than_eight_chains_compile_without_dynamo_and_match_the_reference():
+    before = _dynamo_state()
+    impls = []
+    for i, (text, m, n, k) in enumerate(CHAINS):
+        a, b, ops, spec = _case(text, m, n, k, seed=i)
+        impl = cands_mod._inductor_build(Problem.of(a, b, ops, spec), "default")
+        got = impl(a, b, ops, None)
+        torch.testing.assert_close(got, reference_fused_gemm(a, b, ops, spec), rtol=1e-4, atol=1e-4)
+        impls.append((impl, a, b, ops, got))
+    assert len(cands_mod._INDUCTOR_FNS) == len(CHAINS), "one compile per chain and shape"
+    for fn in cands_mod._INDUCTOR_FNS.values():
+        assert not hasattr(fn, "eager_reason"), fn.eager_reason
+        assert not isinstance(fn, torch._dynamo.eval_frame.OptimizedModule)
+    assert _dynamo_state() == before, "no Dynamo frame was compiled"
+    calls_before = {k: dict(v) for k, v in counters.items()}
+    for impl, a, b, ops, first in impls:
+        for _ in range(3):
+            torch.testing.assert_close(impl(a, b, ops, None), first)
+    assert {k: dict(v) for k, v in counters.items()} == calls_before, "a call touches neither Dynamo nor Inductor"
+
+
+def test_a_new_shape_or_stride_of_a_built_impl_compiles_its_own_function():
+    """The tuner shares an implementation across one M bucket: M=16 and M=13
+    (and a weight with padded rows) each get a function compiled for them,
+    never one compiled for another shape (whose size asserts would fail)."""
+    a, b, ops, spec = _case("bias@0;relu", 16, 16, 32, seed=0)
+    impl = cands_mod._inductor_build(Problem.of(a, b, ops, spec), "default")
+    padded = torch.randn(32, 24)[:, :16]
+    for x, w in ((a, b), (a[:13], b), (a, padded), (a, b)):
+        torch.testing.assert_close(impl(x, w, ops, None), torch.relu(x @ w + ops[0]), rtol=1e-4, atol=1e-4)
+    assert len(cands_mod._INDUCTOR_FNS) == 3
+
+
+def test_inside_a_capture_past_the_cap_or_on_a_failed_compile_the_chain_runs_eagerly(monkeypatch, caplog):
+    a, b, ops, spec = _case("bias@0;silu", 8, 16, 16, seed=3)
+    want = torch.nn.functional.silu(a @ b + ops[0])
+    impl = cands_mod._inductor_build(Problem.of(a, b, ops, spec), "default")
+    compiles = []
+    real = cands_mod.compile_chain
+    monkeypatch.setattr(cands_mod, "compile_chain", lambda *args: compiles.append(1) or real(*args))
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        monkeypatch.setattr(cands_mod, "_capturing", lambda a: True)
+        for _ in range(2):
+            torch.testing.assert_close(impl(a, b, ops, None), want, rtol=1e-5, atol=1e-5)
+        assert compiles == [] and cands_mod._INDUCTOR_FNS == {}, "nothing compiled or remembered while capturing"
+        monkeypatch.setattr(cands_mod, "_capturing", lambda a: False)
+        torch.testing.assert_close(impl(a, b, ops, None), want, rtol=1e-4, atol=1e-4)
+        assert compiles == [1], "after the capture, the shape compiles"
+
+        monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "1")
+        a7 = a[:7]
+        for _ in range(2):
+            torch.testing.assert_close(impl(a7, b, ops, None), torch.nn.functional.silu(a7 @ b + ops[0]))
+        assert compiles == [1]
+
+        monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "10")
+
+        def broken(*args):
+            raise RuntimeError("no kernel\nfor this")
+
+        monkeypatch.setattr(cands_mod, "compile_chain", broken)
+        a5 = a[:5]
+        for _ in range(2):
+            torch.testing.assert_close(impl(a5, b, ops, None), torch.nn.functional.silu(a5 @ b + ops[0]))
+    said = [r.getMessage() for r in caplog.records if "triton:inductor runs its chain eagerly" in r.getMessage()]
+    assert len(said) == 3, said
+    assert "first seen inside a CUDA-graph capture" in said[0]
+    assert "1 Inductor compiles already made" in said[1] and "BRANCHYARD_NVGEMM_INDUCTOR_MAX" in said[1]
+    assert "the compile failed: RuntimeError: no kernel" in said[2]
+
+
+def test_the_op_tunes_to_the_inductor_candidate_and_its_calls_enter_no_dynamo(monkeypatch, tmp_path):
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "default")
+    wanted = ("triton:inductor", "aten:unfused")
+    tuner = Autotuner(lambda p: [c for c in cands_mod.default_candidates(p, inductor=True) if c.name in wanted],
+                      timer=lambda name, fn: (fn(), {"triton:inductor": 1.0}.get(name, 2.0))[1],
+                      db=WinnerDB(tmp_path), env={"gpu": "t"}, progress=False)
+    tuner_mod.set_autotuner(tuner)
+    try:
+        a, b, ops, spec = _case("bias@0;gelu_tanh;residual@1", 2 * 5, 16, 32, seed=4)
+        x = a.reshape(2, 5, 32)
+        res = ops[1].reshape(2, 5, 16)
+        text = str(spec)
+        before = _dynamo_state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NvGemmFallbackWarning)
+            first = op_mod.fused_gemm_epilogue(x, b, [ops[0], res], text)
+            (result,) = tuner.results.values()
+            assert result.winner == "triton:inductor", result.table()
+            calls_before = {k: dict(v) for k, v in counters.items()}
+            for _ in range(3):
+                torch.testing.assert_close(op_mod.fused_gemm_epilogue(x, b, [ops[0], res], text), first)
+            assert {k: dict(v) for k, v in counters.items()} == calls_before
+        assert _dynamo_state() == before
+    finally:
+        tuner_mod.set_autotuner(None)
+    torch.testing.assert_close(first, reference_fused_gemm(x, b, [ops[0], res], spec), rtol=1e-4, atol=1e-4)

@@ -189,29 +189,40 @@ def test_known_signature_neither_plans_nor_asks_about_capture(monkeypatch, tmp_p
 
 
 def test_transposed_weight_view_follows_the_weight(monkeypatch, tmp_path):
-    """The plan's remembered ``w.t()`` is reused for the same weight, never for
-    another weight of the same signature, not after ``w.data = ...`` moved it,
-    and it is dropped when the weight is freed."""
+    """The remembered ``w.t()`` is reused for the same weight, never for
+    another weight of the same signature, not after ``w.data = ...`` moved it
+    (whose old storage it then lets go, whatever signature comes next) or
+    ``resize_`` reshaped it at the same address, and it is dropped when the
+    weight is freed."""
     monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    monkeypatch.setattr(op_mod, "_WEIGHT_VIEWS", {})
     text = "w=nk;bias@0;relu;out=float32"
     tuner, seen = _tuned(tmp_path, text)
     try:
         a, bias = torch.randn(4, 16), torch.randn(8)
         w1, w2 = torch.randn(8, 16), torch.randn(8, 16)
-        want = lambda w: torch.relu(a @ w.t() + bias)  # noqa: E731
+        want = lambda w, x=a: torch.relu(x @ w.t() + bias)  # noqa: E731
         for _ in range(2):  # two weights of one signature, alternating (layers of a model)
             torch.testing.assert_close(FUSED(a, w1, [bias], text), want(w1))
             torch.testing.assert_close(FUSED(a, w2, [bias], text), want(w2))
         assert seen[-4] is seen[-2] and seen[-3] is seen[-1], "one view per weight, reused"
-        (call,) = tuner.call_plans.values()
-        assert len(call.weights) == 2
+        assert len(op_mod._WEIGHT_VIEWS) == 2 and len(tuner.call_plans) == 1
         w1.mul_(2)  # in place: the view shares the storage
         torch.testing.assert_close(FUSED(a, w1, [bias], text), want(w1))
-        w1.data = torch.randn(8, 16)  # moved: the old view must not be used
+        old = w1.data_ptr()
+        w1.data = torch.randn(8, 16)  # moved: the old view must not be used, nor kept
+        a3 = a[:3]
+        torch.testing.assert_close(FUSED(a3, w1, [bias], text), want(w1, a3))  # another signature
+        assert old not in [entry[3].data_ptr() for entry in op_mod._WEIGHT_VIEWS.values()]
         torch.testing.assert_close(FUSED(a, w1, [bias], text), want(w1))
+        w3 = torch.randn(8, 16)
+        torch.testing.assert_close(FUSED(a, w3, [bias], text), want(w3))
+        w3.resize_(8, 8)  # same address, another shape and strides
+        a8 = a[:, :8].contiguous()
+        torch.testing.assert_close(FUSED(a8, w3, [bias], text), want(w3, a8))
         del w2
         gc.collect()
-        assert len(call.weights) == 1, "a freed weight's view is dropped"
+        assert len(op_mod._WEIGHT_VIEWS) == 2, "a freed weight's view is dropped"
     finally:
         tuner_mod.set_autotuner(None)
 
@@ -230,3 +241,50 @@ def test_under_inference_mode_and_no_grad_the_tuned_path_runs(monkeypatch, tmp_p
     finally:
         tuner_mod.set_autotuner(None)
     assert len(seen) == 4 and len(tuner.call_plans) == 1
+
+
+def test_threads_sharing_weights_and_plans_get_their_own_results(monkeypatch, tmp_path):
+    """Several threads call the op at once with shared weights of one
+    signature, while another keeps creating and freeing weights (weakref
+    callbacks clearing remembered views concurrently): every result is right."""
+    import threading
+
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    monkeypatch.setattr(op_mod, "_WEIGHT_VIEWS", {})
+    text = "w=nk;bias@0;relu;out=float32"
+    tuner, _ = _tuned(tmp_path, text)
+    weights = [torch.randn(8, 16) for _ in range(4)]
+    bias = torch.randn(8)
+    errors = []
+
+    def caller(seed):
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for i in range(150):
+                w = weights[(seed + i) % len(weights)]
+                x = torch.randn(4, 16, generator=g)
+                torch.testing.assert_close(FUSED(x, w, [bias], text), torch.relu(x @ w.t() + bias))
+        except Exception as exc:  # reported below, with the thread's seed
+            errors.append((seed, exc))
+
+    def churn():
+        try:
+            for _ in range(150):
+                w = torch.randn(8, 16)
+                x = torch.randn(4, 16)
+                torch.testing.assert_close(FUSED(x, w, [bias], text), torch.relu(x @ w.t() + bias))
+                del w
+        except Exception as exc:
+            errors.append(("churn", exc))
+
+    try:
+        threads = [threading.Thread(target=caller, args=(s,)) for s in range(3)] + [threading.Thread(target=churn)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        tuner_mod.set_autotuner(None)
+    assert errors == []
+    gc.collect()
+    assert len(op_mod._WEIGHT_VIEWS) <= len(weights), "the churned weights' views are gone"

@@ -46,7 +46,7 @@ import math
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -210,9 +210,9 @@ class CallPlan:
     op_shapes: tuple[tuple[int, ...] | None, ...] | None = None
     out_dtype: torch.dtype | None = None
     device: torch.device | None = None
-    #: ``[N, K]`` weights seen with this signature: ``id -> (weakref, data_ptr, [K, N] view)``
-    #: (see :func:`_weight_kn`).
-    weights: dict[int, tuple] = field(default_factory=dict, repr=False, compare=False)
+    #: The weight's ``(shape, stride)`` (what a remembered ``[K, N]`` view must have
+    #: been made from, see :func:`_weight_kn`).
+    b_meta: tuple | None = None
 
 
 #: Call signatures remembered before the table starts over (serving with many M).
@@ -259,7 +259,7 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
     op_shapes = tuple(((n,) if col else (m, n)) if again else None for col, again in zip(plan.col, reshape_ops))
     call = CallPlan(m, n, k, (*a.shape[:-1], n), reshape_a=a.dim() != 2, reshape_ops=reshape_ops, spec=s,
                     nk=plan.nk, op_shapes=op_shapes if any(reshape_ops) else None, out_dtype=s.out_dtype,
-                    device=a.device)
+                    device=a.device, b_meta=(b.shape, b.stride()))
     if m == 0:
         call.reason = "M = 0: nothing to compute"
         return call
@@ -300,32 +300,36 @@ def _first_sight(a, b, operands, spec: str, mode: TimingMode, key: tuple, tuner:
     return call
 
 
-#: Weights whose transposed view a plan keeps, before it starts over.
-_WEIGHTS_LIMIT = 1024
+#: ``id(weight) -> (weakref, data_ptr, (shape, stride), [K, N] view)`` for the
+#: ``[N, K]`` weights the op has run (see :func:`_weight_kn`).
+_WEIGHT_VIEWS: dict[int, tuple] = {}
+#: Weights remembered before the table starts over.
+_WEIGHTS_LIMIT = 4096
 
 
 def _weight_kn(call: CallPlan, b: torch.Tensor, b_ptr: int) -> torch.Tensor:
-    """``b.t()`` for an ``[N, K]`` weight, made once per weight and plan: a
-    weight is the same tensor call after call, and a view costs a dispatcher
-    call. The view is of ``b.detach()`` (it does not keep ``b`` alive) and is
-    dropped when ``b`` is; it is used while ``b`` is the same tensor at the same
-    address (``.data =`` or ``set_`` move it; shape, strides and dtype are in
-    the plan's key)."""
-    weights = call.weights
-    hit = weights.get(id(b))
-    if hit is not None and hit[1] == b_ptr and hit[0]() is b:
-        return hit[2]
-    if len(weights) >= _WEIGHTS_LIMIT:
-        weights.clear()
-    key = id(b)
+    """``b.t()`` for an ``[N, K]`` weight, made once per weight: a weight is the
+    same tensor call after call, and a view costs a dispatcher call.
 
-    def forget(ref, key=key, weights=weights):
-        entry = weights.get(key)
+    The view is of ``b.detach()``, so it does not keep ``b`` alive, and a
+    weakref callback drops it with ``b``. It is used while ``b`` is the same
+    tensor at the same address with the shape and strides it was made from
+    (``.data =``, ``set_`` or ``resize_`` make a new one on ``b``'s next call,
+    which also lets the old storage go)."""
+    key = id(b)
+    hit = _WEIGHT_VIEWS.get(key)
+    if hit is not None and hit[1] == b_ptr and hit[0]() is b and hit[2] == call.b_meta:
+        return hit[3]
+    if len(_WEIGHT_VIEWS) >= _WEIGHTS_LIMIT:
+        _WEIGHT_VIEWS.clear()
+
+    def forget(ref, key=key):
+        entry = _WEIGHT_VIEWS.get(key)
         if entry is not None and entry[0] is ref:
-            del weights[key]
+            del _WEIGHT_VIEWS[key]
 
     view = b.detach().t()
-    weights[key] = (weakref.ref(b, forget), b_ptr, view)
+    _WEIGHT_VIEWS[key] = (weakref.ref(b, forget), b_ptr, call.b_meta, view)
     return view
 
 
@@ -351,8 +355,11 @@ def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.
     a2d = a.reshape(call.m, call.k) if call.reshape_a else a
     b_ptr = b.data_ptr()
     if call.nk:
-        hit = call.weights.get(id(b))  # _weight_kn's hit test, inline
-        b_kn = hit[2] if hit is not None and hit[1] == b_ptr and hit[0]() is b else _weight_kn(call, b, b_ptr)
+        hit = _WEIGHT_VIEWS.get(id(b))  # _weight_kn's hit test, inline
+        if hit is not None and hit[1] == b_ptr and hit[0]() is b and hit[2] is call.b_meta:
+            b_kn = hit[3]
+        else:
+            b_kn = _weight_kn(call, b, b_ptr)
     else:
         b_kn = b
     shapes = call.op_shapes

@@ -443,8 +443,17 @@ _DIRECT_BACKENDS = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUD
 _DIRECT: dict[int, bool] = {}
 
 
+def _needs_grad(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor]) -> bool:
+    if a.requires_grad or b.requires_grad:
+        return True
+    for t in operands:
+        if t.requires_grad:
+            return True
+    return False
+
+
 def _autograd_kernel(keyset, a, b, operands, spec):
-    if torch._C.is_grad_enabled() and torch._C._any_requires_grad(a, b, operands):
+    if torch._C.is_grad_enabled() and _needs_grad(a, b, operands):
         return _Differentiable.apply(keyset, spec, a, b, *operands)
     raw = keyset.raw_repr()
     direct = _DIRECT.get(raw)

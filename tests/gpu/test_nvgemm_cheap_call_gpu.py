@@ -1,0 +1,145 @@
+"""The op's cheap tuned call and the Dynamo-free Inductor candidate on CUDA
+(issue 12 part 2; the CPU tests are tests/lowering/test_nvgemm_op_dispatch.py
+and tests/lowering/test_nvgemm_inductor_candidate.py): a tuned signature
+neither plans nor queries the capture state again and replays correctly from
+a CUDA graph with its remembered weight view; the ``triton:inductor``
+candidate compiles more than eight chains in one process with no Dynamo frame,
+its calls leave Dynamo's counters alone, a compiled shape captures into a CUDA
+graph, and a shape first seen inside a capture runs the eager chain
+(capturable) instead of compiling.
+
+Skipped without CUDA (tests/gpu/conftest.py). Inductor runs in its default
+mode here (max-autotune takes minutes per shape)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from branchyard.lowering.nvgemm import NvGemmFallbackWarning
+from branchyard.lowering.nvgemm import candidates as nv_candidates
+from branchyard.lowering.nvgemm import op as op_mod
+from branchyard.lowering.nvgemm import tuner as nv_tuner
+from branchyard.lowering.nvgemm import winners as nv_winners
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+from branchyard.lowering.nvgemm.problem import Problem
+
+TOL = dict(rtol=2e-2, atol=2e-2)
+FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
+
+
+def _dynamo_state() -> dict:
+    return {k: dict(counters[k]) for k in ("frames", "stats", "recompiles", "graph_break")}
+
+
+def _case(text: str, m: int, n: int, k: int, seed: int, dtype=torch.bfloat16, layout="kn"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    spec = EpilogueSpec.parse(f"w={layout};{text};out={str(dtype).removeprefix('torch.')}")
+    a = (torch.randn(m, k, generator=g, device="cuda") / k**0.25).to(dtype)
+    b = (torch.randn(k, n, generator=g, device="cuda") / k**0.25).to(dtype)
+    if layout == "nk":
+        b = b.t().contiguous()
+    ops = [torch.randn(n, generator=g, device="cuda").to(dtype) if st.op.operand == "col"
+           else torch.randn(m, n, generator=g, device="cuda").to(dtype)
+           for st in spec.steps if st.op.operand in ("col", "matrix")]
+    return a, b, ops, spec
+
+
+@pytest.fixture
+def fresh_inductor(monkeypatch):
+    monkeypatch.setattr(nv_candidates, "_INDUCTOR_FNS", {})
+    monkeypatch.setattr(nv_candidates, "_INDUCTOR_SAID", set())
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "64")
+
+
+CHAINS = [
+    ("bias@0;relu", 64, 256, 128),
+    ("bias@0;gelu_tanh", 64, 256, 128),
+    ("bias@0;gelu_erf;residual@1", 32, 128, 256),
+    ("bias@0;silu", 128, 128, 128),
+    ("scale:0.5;residual@0", 64, 128, 64),
+    ("sigmoid", 16, 256, 128),
+    ("tanh", 64, 512, 128),
+    ("scale_col@0;relu", 128, 256, 64),
+    ("bias@0;gelu_tanh;residual@1", 8, 128, 256),
+    ("bias@0;relu", 48, 256, 128),
+]
+
+
+def test_inductor_candidate_compiles_ten_chains_without_dynamo(fresh_inductor):
+    before = _dynamo_state()
+    built = []
+    for i, (text, m, n, k) in enumerate(CHAINS):
+        a, b, ops, spec = _case(text, m, n, k, seed=i)
+        impl = nv_candidates._inductor_build(Problem.of(a, b, ops, spec), "default")
+        got = impl(a, b, ops, None)
+        torch.testing.assert_close(got.float(), reference_fused_gemm(a, b, ops, spec).float(), **TOL)
+        built.append((impl, a, b, ops, got))
+    assert len(nv_candidates._INDUCTOR_FNS) == len(CHAINS)
+    assert not any(hasattr(fn, "eager_reason") for fn in nv_candidates._INDUCTOR_FNS.values())
+    assert _dynamo_state() == before, "no Dynamo frame, no recompile"
+    calls_before = {k: dict(v) for k, v in counters.items()}
+    for impl, a, b, ops, first in built:
+        torch.testing.assert_close(impl(a, b, ops, None), first)
+    assert {k: dict(v) for k, v in counters.items()} == calls_before
+
+
+def test_inductor_candidate_captures_and_never_compiles_inside_a_capture(fresh_inductor):
+    a, b, ops, spec = _case("bias@0;gelu_tanh;residual@1", 64, 256, 128, seed=11)
+    impl = nv_candidates._inductor_build(Problem.of(a, b, ops, spec), "default")
+    impl(a, b, ops, None)  # compiles, outside the capture
+    a2 = a[:40].clone()
+    ops2 = [ops[0], ops[1][:40].clone()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        impl(a, b, ops, None)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        warm = impl(a, b, ops, None)
+        cold = impl(a2, b, ops2, None)  # first seen while capturing: the eager chain
+    assert len(nv_candidates._INDUCTOR_FNS) == 1, "nothing compiled while capturing"
+    a.copy_(torch.randn_like(a))
+    a2.copy_(torch.randn_like(a2))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(warm.float(), reference_fused_gemm(a, b, ops, spec).float(), **TOL)
+    torch.testing.assert_close(cold.float(), reference_fused_gemm(a2, b, ops2, spec).float(), **TOL)
+
+
+def test_tuned_signature_skips_the_capture_query_and_replays_with_the_weight_view(tmp_path, monkeypatch):
+    cands = lambda p: [c for c in nv_candidates.default_candidates(p, inductor=False)  # noqa: E731
+                       if c.name in ("cublas:addmm+aten", "aten:unfused")]
+    tuner = nv_tuner.Autotuner(cands, db=nv_winners.WinnerDB(tmp_path), progress=False)
+    nv_tuner.set_autotuner(tuner)
+    asked = []
+    real = op_mod._capturing
+    monkeypatch.setattr(op_mod, "_capturing", lambda a: asked.append(1) or real(a))
+    try:
+        a, w, ops, spec = _case("bias@0;gelu_tanh;residual@1", 64, 256, 128, seed=5, layout="nk")
+        text = str(spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NvGemmFallbackWarning)
+            first = FUSED(a, w, ops, text)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                FUSED(a, w, ops, text)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = FUSED(a, w, ops, text)
+        assert asked == [1], "only the signature's first call asks whether a capture is on"
+        assert len(tuner.call_plans) == 1
+        w.mul_(0.5)  # in place: the remembered view sees it
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured.float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
+        torch.testing.assert_close(FUSED(a, w, ops, text), captured)  # eager, same plan and view
+        assert first.shape == captured.shape
+    finally:
+        nv_tuner.set_autotuner(None)

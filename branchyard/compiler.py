@@ -37,7 +37,6 @@ eager for that shape with a warning; bad programs are ``branchyard`` errors.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 import warnings

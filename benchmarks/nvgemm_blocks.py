@@ -56,6 +56,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_graph_replay import graph_replay  # noqa: E402
+
 M_VALUES = (1, 16, 64, 512, 2048, 8192)
 COLUMNS = ("module", "unrewritten", "rewritten", "compile")
 TARGETS = (
@@ -168,20 +171,6 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[[dict[str
     return time_us
 
 
-def _graph(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph after two warm-up calls; returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype, compile_mode: str | None,
             iters: int, repeats: int) -> dict[str, float | str]:
     """Every column for one block at one M (None where a column does not apply)."""
@@ -206,7 +195,7 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
             eager[f"{name}_eager"] = call
             if device.type == "cuda":
                 with nvgemm.timing_mode("device"):
-                    graphs[f"{name}_graph"] = _graph(call)
+                    graphs[f"{name}_graph"] = graph_replay(call)
         row.update(time_us(eager))
         row.update(time_us(graphs))
     return row

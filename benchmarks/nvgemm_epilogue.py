@@ -94,6 +94,9 @@ from typing import Callable
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_graph_replay import graph_replay  # noqa: E402
+
 M_ALL = [1, 16, 128, 2048, 8192]
 NK_ALL = [(4096, 4096), (14336, 4096), (4096, 14336)]
 CHAINS = {
@@ -292,7 +295,6 @@ class ColumnTimer:
         self._timer = nv_timing.cuda_event_timer
         self._round_robin = nv_timing.time_round_robin
         self.replays: dict[str, Callable] = {}
-        self._graphs: list = []
 
     def eager(self, fn, device_only: bool = True) -> float:
         return self._timer(fn, reps=self.args.reps, device_only=device_only) * 1e3
@@ -302,34 +304,24 @@ class ColumnTimer:
             self.replays[name] = fn
             return
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graph asks
-                fn()
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            replay = graph_replay(fn)
         except Exception as exc:
             torch.cuda.synchronize()
             self.row["notes"].append(f"{name}: CUDA-graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly")
             self.replays[name] = fn
             return
-        t = self._timer(graph.replay, reps=5) * 1e3
+        t = self._timer(replay, reps=5) * 1e3
         if t < 0.9 * self.floor_us:
             self.row["notes"].append(f"{name}: a graph replay took {t:.1f} us, below the {self.floor_us:.1f} us floor; timed eagerly")
             self.replays[name] = fn
             return
-        self._graphs.append(graph)
-        self.replays[name] = graph.replay
+        self.replays[name] = replay
 
     def run(self) -> dict[str, float]:
         # Graph replays: device time. --timing eager: what an eager caller waits for.
         device_only = self.args.timing != "eager"
         samples = self._round_robin(self.replays, max(1, self.args.rounds),
                                     lambda name, fn: self.eager(fn, device_only=device_only))
-        self._graphs.clear()
         return {n: statistics.median(v) for n, v in samples.items()}
 
 

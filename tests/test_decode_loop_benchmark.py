@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "decode_loop.py"
 ROWS = ROOT / "benchmarks" / "results" / "2026-12-01-1430" / "decode_loop.jsonl"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("decode_loop_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["decode_loop_bench"] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("decode_loop_bench", None)
+def bench(load_benchmark):
+    return load_benchmark("decode_loop")
 
 
 def test_the_floor_is_one_read_of_the_weights_at_the_copy_rate(bench):

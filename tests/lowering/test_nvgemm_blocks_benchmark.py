@@ -6,25 +6,12 @@ is the lead's; this keeps the script correct by construction."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "nvgemm_blocks.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("nvgemm_blocks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nvgemm_blocks"] = module  # dataclasses look their module up while the class is built
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("nvgemm_blocks", None)
+def bench(load_benchmark):
+    return load_benchmark("nvgemm_blocks")
 
 
 def test_dry_run_times_every_block_and_checks_its_outputs(bench, capsys):

@@ -5,26 +5,14 @@ issue's target. The GPU run is the lead's; this keeps the script correct."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "nvgemm_small_m.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("nvgemm_small_m", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["nvgemm_small_m"] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("nvgemm_small_m", None)
+def bench(load_benchmark):
+    return load_benchmark("nvgemm_small_m")
 
 
 def test_dry_run_reports_a_failing_kernel_as_a_row(bench, tmp_path, capsys):

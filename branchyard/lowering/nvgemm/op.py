@@ -354,14 +354,7 @@ def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.
         return run_unfused(a, b, operands, call.spec)  # type: ignore[arg-type]
     a2d = a.reshape(call.m, call.k) if call.reshape_a else a
     b_ptr = b.data_ptr()
-    if call.nk:
-        hit = _WEIGHT_VIEWS.get(id(b))  # _weight_kn's hit test, inline
-        if hit is not None and hit[1] == b_ptr and hit[0]() is b and hit[2] is call.b_meta:
-            b_kn = hit[3]
-        else:
-            b_kn = _weight_kn(call, b, b_ptr)
-    else:
-        b_kn = b
+    b_kn = _weight_kn(call, b, b_ptr) if call.nk else b
     shapes = call.op_shapes
     ops2d = operands if shapes is None else [t if s is None else t.reshape(s) for t, s in zip(operands, shapes)]
     ptrs = a2d.data_ptr() | b_ptr

@@ -2,8 +2,10 @@
 
 The kernel against a float64 reference for every epilogue table row, bfloat16
 and float16, M in {1, 2, 7, 16, 64} (and M past one CTA's rows), several
-(N, K) including the 4096 x 14336 weight; every config the tuner offers; the
-op's tuner racing it; and bad inputs (non-contiguous or [K, N] weights, fp32
+(N, K) including the 4096 x 14336 weight; every valid config (``unroll`` 1, 2
+and 4 among them), the unrolled ones at every M block boundary and at K step
+counts that leave each warp 0 .. U-1 single steps after its groups; every
+epilogue row again through an unrolled config; the op's tuner racing them all; and bad inputs (non-contiguous or [K, N] weights, fp32
 or mixed dtypes, M = 0, K / N off the alignment, CPU tensors) going to the
 unfused path or to another kernel, never to a wrong number. Outputs are
 poisoned (NaN) before each launch so that an element the kernel fails to
@@ -18,6 +20,7 @@ import warnings
 import pytest
 import torch
 
+from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import NvGemmFallbackWarning, fused_gemm_epilogue
 from branchyard.lowering.nvgemm import candidates as nv_candidates
 from branchyard.lowering.nvgemm import cutedsl_gemm as cg
@@ -135,15 +138,74 @@ def test_other_output_dtypes(out: str) -> None:
     _check(_launch(spec, GemvConfig(16, 8), a, w, ops), _reference(a, w, ops, spec), f"out={out}")
 
 
+def _valid_configs() -> list[GemvConfig]:
+    out = []
+    for b in (8, 16, 32, 64):
+        for u in (1, 2, 4):
+            for w in (4, 8, 16):
+                try:
+                    out.append(GemvConfig(b, w, u))
+                except LoweringError:  # more registers than fit
+                    pass
+    return out
+
+
+ALL_CONFIGS = _valid_configs()
+UNROLLED = [c for c in ALL_CONFIGS if c.unroll > 1]
+
+
+def test_every_listed_config_is_among_the_tested():
+    listed = {c for m in range(1, 65) for c in small_m_configs(m, 4096, 4096)}
+    assert listed <= set(ALL_CONFIGS) and {c.unroll for c in ALL_CONFIGS} == {1, 2, 4}
+    assert len(UNROLLED) == 12
+
+
 @needs_cutedsl
-@pytest.mark.parametrize("config", [GemvConfig(b, w) for b in (8, 16, 32, 64) for w in (4, 8, 16)],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 13, 64, 100])
 def test_every_config_at_ragged_m(config: GemvConfig, m: int) -> None:
     """Every config, M below, at and past its block (M = 100: several CTA rows, the last ragged)."""
     spec = _spec("bias@0;silu;residual@1", "bfloat16")
     a, w, ops = _inputs(spec, m, 2048, 1024, torch.bfloat16, seed=m)
     _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} {config.name}")
+
+
+# (N, K): one CTA and one K step (only warp 0 works, in the single-step loop); 3 steps;
+# 21 and 67 steps (groups, then 1 .. U-1 single steps for some warps); the issue's weight.
+UNROLL_NK = [(16, 64), (48, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("config", UNROLLED, ids=lambda c: c.name)
+@pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64])
+def test_unrolled_configs_at_every_k_remainder(config: GemvConfig, m: int) -> None:
+    spec = _spec("bias@0;silu;residual@1", "bfloat16")
+    failures = []
+    for n, k in UNROLL_NK:
+        a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
+        try:
+            _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c or "plain")
+def test_every_epilogue_through_an_unrolled_config(chain: str, m: int) -> None:
+    """The epilogue after the unrolled loop: the deepest unroll the tuner lists for this M."""
+    spec = _spec(chain, "bfloat16")
+    config = max(small_m_configs(m, 4096, 4096), key=lambda c: c.unroll)
+    assert config.unroll == 4
+    failures = []
+    for n, k in NK:
+        a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
+        try:
+            _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
 
 
 @needs_cutedsl

@@ -109,7 +109,7 @@ def test_placement_uses_each_loaded_element_once():
 def test_the_smallest_block_that_holds_m(m, block):
     configs = small_m_configs(m, 14336, 4096)
     assert {c.m_block for c in configs} == {block}
-    assert len({c.name for c in configs}) == len(configs) == 3
+    assert len({c.name for c in configs}) == len(configs) >= 3
 
 
 @pytest.mark.parametrize("kwargs,why", [
@@ -165,8 +165,10 @@ def cutedsl_here(monkeypatch):
 
 def test_small_m_candidates_come_first_and_only_where_they_apply(cutedsl_here):
     names = _names(_problem(16, 64, 128))
+    small = [f"cutedsl:{c.name}" for c in small_m_configs(16, 64, 128)]
     assert names[:3] == ["cutedsl:gemv_m16_w8", "cutedsl:gemv_m16_w4", "cutedsl:gemv_m16_w16"]
-    assert all(not n.startswith("cutedsl:gemv") for n in names[3:]) and len(names) > 3
+    assert names[:len(small)] == small
+    assert all(not n.startswith("cutedsl:gemv") for n in names[len(small):]) and len(names) > len(small)
     default = [c.name for c in cands_mod.default_candidates(_problem(1, 64, 128), inductor=False)]
     assert default[0] == "cutedsl:gemv_m8_w8" and default[-1] == "aten:unfused"
 

@@ -16,6 +16,17 @@ our N, so M = 1..8 wastes nothing on the weight side). Per CTA::
     all warps: accumulators -> shared memory; warp 0 sums them, runs the epilogue
                steps (``_cutedsl_epilogue.apply_steps``, every table row) and stores
 
+With ``GemvConfig.unroll = U > 1`` a warp takes its steps U at a time: the
+loads of steps ``s, s + warps, .., s + (U-1) warps`` into U register buffers
+first, then their MMAs, so U x 2 KiB of weight per warp are in flight instead
+of 2 KiB (a memory-bound kernel's rate is its bytes in flight over the DRAM
+latency, and the 16-byte loads land in registers, so only more buffers raise
+it). The steps left over when a warp's count is not a multiple of U run one
+at a time, as with U = 1::
+
+    for s in range(w, K/64 - (U-1) warps, U warps):   loads of U steps; MMAs of U steps
+    for s in range(rest, K/64, warps):               one step (U = 1's loop)
+
 Which K a lane's register holds need not be the K the MMA "thinks" it is: a
 dot product is the same in any order of K, as long as both operands use the
 same order. The MMA pairs A's and B's k-slots 2t, 2t+1, 2t+8, 2t+9 inside lane
@@ -84,6 +95,23 @@ def accumulator_coords(v: int, g: Any, t: Any) -> tuple[Any, Any]:
     return 2 * t + v % 2, g + 8 * (v // 2)
 
 
+def unrolled_bounds(warp: Any, k_steps: Any, warps: int, unroll: int, max_: Any = max) -> tuple[Any, Any]:
+    """``(group_stop, rest_start)`` of warp ``warp``'s two K loops at ``unroll > 1``:
+    groups ``s, s + warps, .., s + (unroll-1) warps`` for ``s`` in
+    ``range(warp, group_stop, unroll * warps)`` (each group wholly below ``k_steps``),
+    then single steps ``range(rest_start, k_steps, warps)``. Together they are the
+    steps ``warp, warp + warps, ..`` below ``k_steps``, each once. The kernel passes
+    DSL integers and ``cutlass.max``.
+
+        >>> unrolled_bounds(3, 21, 4, 2)   # groups at 3, 11; then step 19
+        (17, 19)
+    """
+    group = unroll * warps
+    group_stop = k_steps - (unroll - 1) * warps
+    groups = (max_(group_stop - warp, 0) + group - 1) // group
+    return group_stop, warp + groups * group
+
+
 @functools.lru_cache(maxsize=1)
 def build_gemv_class() -> type:
     """Import CuTeDSL and define :class:`SmallMGemvKernel` (cached)."""
@@ -106,6 +134,7 @@ def build_gemv_class() -> type:
             self.types = types
             self.warps = config.warps
             self.m_block = config.m_block
+            self.unroll = config.unroll
             self.n_mma = config.m_block // 8  # MMAs (8 input rows each) per k16 step
 
         # ------------------------------------------------------------------ host
@@ -115,10 +144,13 @@ def build_gemv_class() -> type:
             tiled_mma = cute.make_tiled_mma(op)
             row_groups = mB.shape[0] // GEMV_ROWS
             m_groups = (mC.shape[0] + self.m_block - 1) // self.m_block
+            # U > 1: ``.minnctapersm 1`` -- without it ptxas, aiming at a higher occupancy, sinks
+            # the later steps' loads below the first step's MMAs, and one step is in flight again.
             self.kernel(mA, mB, mC, operands, tiled_mma).launch(
                 grid=(row_groups, m_groups, 1),
                 block=[32 * self.warps, 1, 1],
                 stream=stream,
+                min_blocks_per_mp=1 if self.unroll > 1 else 0,
             )
 
         # ---------------------------------------------------------------- device
@@ -149,16 +181,27 @@ def build_gemv_class() -> type:
             acc = [cute.make_rmem_tensor(acc_shape, cutlass.Float32) for _ in range(self.n_mma)]
             a_frag = [cute.make_rmem_tensor(a_shape, ab) for _ in range(4)]
             b_frag = [[cute.make_rmem_tensor(b_shape, ab) for _ in range(4)] for _ in range(self.n_mma)]
-            # w_buf[2 * half + c]: weight row g + 8 * half, chunk c (0: 8t, 1: 32 + 8t of the step).
-            w_buf = [cute.make_rmem_tensor((1, chunk), ab) for _ in range(4)]
-            x_buf = [[cute.make_rmem_tensor((1, chunk), ab) for _ in range(2)] for _ in range(self.n_mma)]
+            # w_bufs[u][2 * half + c]: weight row g + 8 * half, chunk c (0: 8t, 1: 32 + 8t) of
+            # the u-th step in flight; x_bufs[u][j][c]: input rows m0 + 8 j + g, chunk c.
+            w_bufs = [[cute.make_rmem_tensor((1, chunk), ab) for _ in range(4)] for _ in range(self.unroll)]
+            x_bufs = [[[cute.make_rmem_tensor((1, chunk), ab) for _ in range(2)] for _ in range(self.n_mma)]
+                      for _ in range(self.unroll)]
             w_rows = [row0 + g, row0 + g + 8]
             x_rows = [cutlass.min(m0 + 8 * i + g, m_last) for i in range(self.n_mma)]
             self._zero(acc)
 
             k_steps = mA.shape[1] // GEMV_K_STEP
-            for step in cutlass.range(warp, k_steps, self.warps, unroll=2):
-                self._k_step(mA, mB, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf, w_rows, x_rows, step, t)
+            if cutlass.const_expr(self.unroll == 1):
+                for step in cutlass.range(warp, k_steps, self.warps, unroll=2):
+                    self._k_step(mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs[0], x_bufs[0], w_rows, x_rows,
+                                 step, t)
+            else:
+                group_stop, rest_start = unrolled_bounds(warp, k_steps, self.warps, self.unroll, cutlass.max)
+                for step in cutlass.range(warp, group_stop, self.unroll * self.warps, unroll=1):
+                    self._k_group(mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs, x_bufs, w_rows, x_rows, step, t)
+                for step in cutlass.range(rest_start, k_steps, self.warps, unroll=1):
+                    self._k_step(mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs[0], x_bufs[0], w_rows, x_rows,
+                                 step, t)
 
             self._stash(partial, acc, lane, warp)
             cute.arch.sync_threads()
@@ -172,6 +215,20 @@ def build_gemv_class() -> type:
         def _k_step(self, mA, mB, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf, w_rows, x_rows, step, t):
             """One 64-wide K step of this warp: 16-byte loads of two weight rows and the
             input rows, placed into the MMA fragments (see the module doc), 4 x n_mma MMAs."""
+            self._load(mA, mB, w_buf, x_buf, w_rows, x_rows, step, t)
+            self._mma(tiled_mma, acc, a_frag, b_frag, w_buf, x_buf)
+
+        def _k_group(self, mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs, x_bufs, w_rows, x_rows, step, t):
+            """Steps ``step + u * warps`` for u < unroll: every step's loads first (all in
+            flight together), then every step's MMAs."""
+            for u in range(self.unroll):
+                self._load(mA, mB, w_bufs[u], x_bufs[u], w_rows, x_rows, step + u * self.warps, t)
+            for u in range(self.unroll):
+                self._mma(tiled_mma, acc, a_frag, b_frag, w_bufs[u], x_bufs[u])
+
+        def _load(self, mA, mB, w_buf, x_buf, w_rows, x_rows, step, t):
+            """The 16-byte loads of one K step: chunks 8t and 32 + 8t of weight rows g, g + 8
+            and of the input rows."""
             first = step * chunks_per_step + t
             for c in range(2):
                 col = first + 4 * c
@@ -179,6 +236,9 @@ def build_gemv_class() -> type:
                     cute.autovec_copy(cute.local_tile(mB, (1, chunk), (w_rows[half], col)), w_buf[2 * half + c])
                 for j in range(self.n_mma):
                     cute.autovec_copy(cute.local_tile(mA, (1, chunk), (x_rows[j], col)), x_buf[j][c])
+
+        def _mma(self, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf):
+            """One loaded step into the fragments (see the module doc) and its 4 x n_mma MMAs."""
             for p in places:
                 a_frag[p.kk][p.a_lo] = w_buf[p.c][p.off]  # weight row g
                 a_frag[p.kk][p.a_hi] = w_buf[2 + p.c][p.off]  # weight row g + 8

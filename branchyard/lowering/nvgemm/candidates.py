@@ -3,7 +3,8 @@ way this library knows to run a matmul + epilogue chain.
 
 ==================================  ============================================================
 ``cutedsl:gemv_m<rows>_w<warps>``   our small-M kernel (M <= 64, an ``[N, K]`` weight), one per
-                                    config (:func:`~.kernel_config.small_m_configs`)
+                                    config (:func:`~.kernel_config.small_m_configs`; ``_u<U>``
+                                    appended for the configs that load U K steps at a time)
 ``cutedsl:<config>``                our fused kernel, one per tile config (:mod:`.cutedsl_gemm`)
 ``cutlass_plain+epilogue``          cutlass-operators' plain GEMM, then the chain as ATen ops
 ``cublaslt:_addmm_activation``      cuBLASLt's fused bias + ReLU / GELU(tanh), when that is the chain

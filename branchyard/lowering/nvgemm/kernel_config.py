@@ -17,8 +17,8 @@ Imports without CUDA or CuTeDSL (those are imported inside functions).
 The small-M kernel (:class:`GemvConfig`) has its own space and rules
 (:func:`small_m_configs`, :func:`small_m_ineligibility`):
 
-    >>> [c.name for c in small_m_configs(5, 14336, 4096)]
-    ['gemv_m8_w8', 'gemv_m8_w4', 'gemv_m8_w16']
+    >>> [c.name for c in small_m_configs(5, 14336, 4096)][:5]
+    ['gemv_m8_w8', 'gemv_m8_w4', 'gemv_m8_w16', 'gemv_m8_w8_u2', 'gemv_m8_w8_u4']
     >>> small_m_ineligibility(128, 4096, 4096, "bfloat16", "nk")
     'M=128 is above 64 (the small-M kernel reads the weight once per 64 rows of the input)'
 """
@@ -377,6 +377,10 @@ GEMV_ROWS = 16
 GEMV_K_STEP = 64
 _GEMV_M_BLOCKS = (8, 16, 32, 64)
 _GEMV_WARPS = (4, 8, 16)
+_GEMV_UNROLLS = (1, 2, 4)
+#: 32-bit registers per SM and per thread (sm_90).
+_SM_REGISTERS = 65536
+_MAX_THREAD_REGISTERS = 255
 
 
 @dataclass(frozen=True)
@@ -386,11 +390,24 @@ class GemvConfig:
     ``m_block`` input rows per CTA (8, 16, 32 or 64: one, two, four or eight
     m16n8k16 MMAs per k16 step; a larger M runs ``ceil(M / m_block)`` CTA
     rows, each reading the weight again); ``warps`` warps per CTA, which split
-    K between them (more warps: more loads in flight per CTA for narrow N).
+    K between them (more warps: more loads in flight per CTA for narrow N);
+    ``unroll`` K steps (1, 2 or 4) whose loads a warp issues before it waits
+    for any of them: U x 2 KiB of weight in flight per warp instead of 2 KiB,
+    each step in its own register buffers. U > 1 is allowed only where the
+    :attr:`registers` estimate fits one thread (255) and the CTA fits an SM's
+    register file (so it launches, and ptxas need not spill)::
+
+        >>> GemvConfig(16, 8, 4).name, GemvConfig(16, 8, 1).name
+        ('gemv_m16_w8_u4', 'gemv_m16_w8')
+        >>> GemvConfig(64, 8, 2)
+        Traceback (most recent call last):
+        ...
+        branchyard.errors.LoweringError: GemvConfig: invalid GemvConfig: unroll=2 with m_block=64, warps=8 needs about 312 registers per thread; at most 255 fit
     """
 
     m_block: int = 16
     warps: int = 8
+    unroll: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -398,6 +415,11 @@ class GemvConfig:
             problems.append(f"m_block={self.m_block} (must be one of {_GEMV_M_BLOCKS})")
         if self.warps not in _GEMV_WARPS:
             problems.append(f"warps={self.warps} (must be one of {_GEMV_WARPS})")
+        if self.unroll not in _GEMV_UNROLLS:
+            problems.append(f"unroll={self.unroll} (must be one of {_GEMV_UNROLLS})")
+        elif not problems and self.unroll > 1 and self.registers > self.register_cap:
+            problems.append(f"unroll={self.unroll} with m_block={self.m_block}, warps={self.warps} needs about "
+                            f"{self.registers} registers per thread; at most {self.register_cap} fit")
         if problems:
             raise LoweringError("invalid GemvConfig: " + "; ".join(problems), where="GemvConfig")
 
@@ -407,20 +429,54 @@ class GemvConfig:
         return 32 * self.warps
 
     @property
+    def registers(self) -> int:
+        """Estimated 32-bit registers per thread: per K step in flight, 16 for the two
+        weight rows' 2 x 16 bytes and 8 per 8 input rows, and 24 + 2 per input row of
+        accumulators, fragments and addresses (ptxas 13.0 used 80 / 121 / 168 where this
+        says 88 / 120 / 184 for m8 U2, m16 U2, m32 U2).
+
+            >>> GemvConfig(16, 8, 2).registers
+            120
+        """
+        return self.unroll * (16 + self.m_block) + 24 + 2 * self.m_block
+
+    @property
+    def register_cap(self) -> int:
+        """Registers one thread may hold: 255, and the SM's 64 K shared by the CTA's threads."""
+        return min(_MAX_THREAD_REGISTERS, _SM_REGISTERS // self.threads)
+
+    @property
     def name(self) -> str:
-        """Short stable name (the candidate is ``cutedsl:<name>``)."""
-        return f"gemv_m{self.m_block}_w{self.warps}"
+        """Short stable name (the candidate is ``cutedsl:<name>``); ``_u<U>`` only for U > 1,
+        so U = 1 keeps the name its winners were recorded under."""
+        return f"gemv_m{self.m_block}_w{self.warps}" + (f"_u{self.unroll}" if self.unroll > 1 else "")
 
 
 def small_m_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     """The small-M configs worth timing: the smallest ``m_block`` holding M
-    (every CTA then reads its weight rows once), with 8, 4 and 16 warps.
+    (every CTA then reads its weight rows once), with 8, 4 and 16 warps one
+    K step at a time, then the unrolled ones (:data:`_GEMV_UNROLLED`) whose
+    registers fit. Every config runs every N and K that
+    :func:`small_m_ineligibility` allows (a warp's steps left over by the
+    unrolled loop run one at a time).
 
         >>> [c.name for c in small_m_configs(17, 4096, 4096)]
-        ['gemv_m32_w8', 'gemv_m32_w4', 'gemv_m32_w16']
+        ['gemv_m32_w8', 'gemv_m32_w4', 'gemv_m32_w16', 'gemv_m32_w8_u2', 'gemv_m32_w4_u2']
+        >>> [c.name for c in small_m_configs(64, 4096, 4096)]
+        ['gemv_m64_w8', 'gemv_m64_w4', 'gemv_m64_w16']
     """
     m_block = next((b for b in _GEMV_M_BLOCKS if b >= m), _GEMV_M_BLOCKS[-1])
-    return [GemvConfig(m_block, w) for w in (8, 4, 16)]
+    configs = [GemvConfig(m_block, w) for w in (8, 4, 16)]
+    for warps, unroll in _GEMV_UNROLLED:
+        try:
+            configs.append(GemvConfig(m_block, warps, unroll))
+        except LoweringError:  # too many registers for this m_block
+            continue
+    return configs
+
+
+#: (warps, unroll) of the unrolled small-M configs the tuner races, in this order.
+_GEMV_UNROLLED = ((8, 2), (8, 4), (4, 4), (4, 2), (16, 2))
 
 
 def small_m_ineligibility(m: int, n: int, k: int, dtype: Any, b_layout: str, out_dtype: Any = None) -> str | None:

@@ -14,16 +14,27 @@ over HBM bandwidth. The roofline is measured, not quoted: ``copy`` is
 is one M and one ``nn.Linear`` weight given as ``KxN`` (in_features x
 out_features, bfloat16, stored [N, K]) with the chain ``--chain`` (default
 bias + gelu_tanh) after it. Columns (microseconds, median of ``--reps``
-replays of a CUDA graph holding one call, each after a 256 MiB write that
-evicts L2, so the weight comes from HBM as it does in a decode step):
+replays of a CUDA graph holding one call, each after a 256 MiB L2 flush, so
+the weight comes from HBM as it does in a decode step):
 
 * ``small_m``  our small-M kernel, the fastest of its configs (named in ``config``;
-               every config's time and any compile error are in the JSON)
+               every config's time and any compile error are in the JSON, and
+               each config's time is printed under the table, fastest first)
+* ``u1``       the fastest config that loads one K step at a time (``unroll`` 1,
+               the kernel before the unroll knob); ``u1/small_m`` > 1 is what
+               unrolling gained
 * ``cublas``   ``F.linear`` (cuBLAS, the bias in its epilogue when the chain starts
                with one), the rest of the chain as ATen ops
 * ``unfused``  ``mm`` then one ATen op per step (the program as written)
 * ``tuned``    ``torch.ops.branchyard.fused_gemm_epilogue`` after its tuner raced
                every candidate in device-timing mode (named in ``picked``)
+
+The flush (``--flush``) is a 256 MiB *read* by default: L2 is left full of
+clean lines, as the previous layers of a decode step leave it (they read
+weights and write small activations). ``--flush write`` zeroes 256 MiB
+instead (the figures before this option): up to L2's 50 MB of dirty lines are
+then written back while the timed call runs, which every column pays, and at
+117 MB (4096x14336) that alone caps the share of the copy rate near 70%.
 
 GB/s counts every byte a column must move at least once (weight, input,
 epilogue operands, output); ``%copy`` is that over the copy bandwidth. A column
@@ -54,7 +65,7 @@ from cuda_graph_replay import graph_replay  # noqa: E402
 M_VALUES = (1, 16, 64)
 #: K x N (in_features x out_features) of the weights the issue names.
 WEIGHTS = ("4096x14336", "14336x4096", "1024x4096", "4096x1024", "8192x28672")
-COLUMNS = ("small_m", "cublas", "unfused", "tuned")
+COLUMNS = ("small_m", "u1", "cublas", "unfused", "tuned")
 #: The issue's target: at M <= 16 with a 4096 x 14336 weight, >= 75% of the copy bandwidth.
 TARGET = {"m_max": 16, "weight": "4096x14336", "pct_copy": 75.0}
 
@@ -67,13 +78,28 @@ def _parse_weight(text: str) -> tuple[int, int]:
 # --- timing ---------------------------------------------------------------------
 
 
+#: How the timer evicts L2 before each timed replay (see the module doc).
+FLUSHES = ("read", "write", "none")
+
+
 class Timer:
     """Median microseconds of ``fn``: on CUDA, graph replays between events after an
-    L2-evicting write (``flush``); on CPU, ``perf_counter`` around calls."""
+    L2 flush (``flush``: a 256 MiB read or write, or none); on CPU, ``perf_counter``
+    around calls."""
 
-    def __init__(self, device: torch.device, reps: int, flush: bool) -> None:
-        self.device, self.reps = device, reps
-        self.scrub = torch.empty(256 << 20, dtype=torch.uint8, device=device) if flush and device.type == "cuda" else None
+    def __init__(self, device: torch.device, reps: int, flush: str) -> None:
+        if flush not in FLUSHES:
+            raise ValueError(f"flush={flush!r}: one of {FLUSHES}")
+        self.device, self.reps, self.flush = device, reps, flush
+        self.scrub = None
+        if flush != "none" and device.type == "cuda":
+            self.scrub = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+
+    def _evict(self) -> None:
+        if self.flush == "write":
+            self.scrub.zero_()
+        else:  # reads every byte, writes one scalar: L2 ends up holding clean lines
+            self.scrub.view(torch.int64).sum()
 
     def graph(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """``fn`` captured in a CUDA graph after two warm-up calls (``fn`` itself on CPU)."""
@@ -90,7 +116,7 @@ class Timer:
         events = []
         for _ in range(self.reps):
             if self.scrub is not None:
-                self.scrub.zero_()
+                self._evict()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -104,7 +130,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
     """Device-to-device copy bandwidth in GB/s: ``2 * nbytes`` (read + write) over the median copy time."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    timer = Timer(device, reps, flush=False)
+    timer = Timer(device, reps, flush="none")
     dst.copy_(src)
     us = timer.us(lambda: dst.copy_(src))
     return 2 * nbytes / (us * 1e-6) / 1e9
@@ -169,6 +195,15 @@ def small_m_column(spec, a, w, ops, ref, timer: Timer) -> tuple[float | None, st
     return times[best], best, times, errors
 
 
+def best_of(times: dict[str, float], configs: list[str]) -> tuple[float | None, str | None]:
+    """The fastest of ``configs`` that has a time, (us, name), or (None, None)."""
+    timed = [c for c in configs if c in times]
+    if not timed:
+        return None, None
+    best = min(timed, key=times.get)
+    return times[best], best
+
+
 def cublas_call(spec, a, w, ops) -> Callable[[], torch.Tensor]:
     """``F.linear`` (the bias in cuBLAS's epilogue when the chain starts with one), the rest as ATen ops."""
     import dataclasses
@@ -214,6 +249,10 @@ def run_row(m: int, weight: str, chain: str, *, dtype: torch.dtype, device: torc
     row["small_m"], row["config"], row["configs"], config_errors = small_m_column(spec, a, w, ops, ref, timer)
     if config_errors:
         row["errors"]["small_m"] = config_errors
+    from branchyard.lowering.nvgemm.kernel_config import small_m_configs
+
+    one_step = [c.name for c in small_m_configs(m, n, k) if c.unroll == 1]
+    row["u1"], row["config_u1"] = best_of(row["configs"], one_step)
     unfused = unfused_impl(spec)
     calls: dict[str, Callable[[], Any]] = {
         "cublas": cublas_call(spec, a, w, ops),
@@ -234,8 +273,9 @@ def run_row(m: int, weight: str, chain: str, *, dtype: torch.dtype, device: torc
         us = row.get(name)
         row[f"{name}_GBps"] = nbytes / (us * 1e-6) / 1e9 if us else None
         row[f"{name}_pct_copy"] = 100 * row[f"{name}_GBps"] / copy_gbps if us else None
-    for name in ("cublas", "unfused", "tuned"):  # > 1: the small-M kernel is faster
+    for name in ("u1", "cublas", "unfused", "tuned"):  # > 1: the small-M kernel is faster
         row[f"{name}_over_small_m"] = row[name] / row["small_m"] if row.get(name) and row["small_m"] else None
+    row["configs_pct_copy"] = {c: 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps for c, us in row["configs"].items()}
     return row
 
 
@@ -247,12 +287,13 @@ def _f(x: float | None, spec: str = "{:.1f}") -> str:
 
 
 def report(rows: list[dict], copy_gbps: float, markdown: bool) -> str:
-    head = ["M", "KxN", "small_m us", "GB/s", "%copy", "config", "cublas us", "%copy", "unfused us", "tuned us",
-            "%copy", "picked", "cublas/small_m", "tuned/small_m"]
+    head = ["M", "KxN", "small_m us", "GB/s", "%copy", "config", "u1 us", "%copy", "u1/small_m", "cublas us",
+            "%copy", "unfused us", "tuned us", "%copy", "picked", "cublas/small_m", "tuned/small_m"]
     lines = []
     for r in rows:
         lines.append([str(r["m"]), r["weight"], _f(r.get("small_m")), _f(r.get("small_m_GBps"), "{:.0f}"),
-                      _f(r.get("small_m_pct_copy")), r.get("config") or "-", _f(r.get("cublas")),
+                      _f(r.get("small_m_pct_copy")), r.get("config") or "-", _f(r.get("u1")),
+                      _f(r.get("u1_pct_copy")), _f(r.get("u1_over_small_m"), "{:.2f}x"), _f(r.get("cublas")),
                       _f(r.get("cublas_pct_copy")), _f(r.get("unfused")), _f(r.get("tuned")),
                       _f(r.get("tuned_pct_copy")), r.get("picked", "-"), _f(r.get("cublas_over_small_m"), "{:.2f}x"),
                       _f(r.get("tuned_over_small_m"), "{:.2f}x")])
@@ -265,12 +306,24 @@ def report(rows: list[dict], copy_gbps: float, markdown: bool) -> str:
         out += ["  ".join(c.ljust(wd) for c, wd in zip(cells, widths)) for cells in lines]
     out.append("")
     out.append(f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s")
+    out.extend(variant_lines(rows))
     for r in rows:
         for column, err in r["errors"].items():
             for what, text in (err.items() if isinstance(err, dict) else [(column, err)]):
                 out.append(f"error M={r['m']} {r['weight']} {what}: {' '.join(text.split())[:400]}")
     out.extend(target_lines(rows))
     return "\n".join(out)
+
+
+def variant_lines(rows: list[dict]) -> list[str]:
+    """One line per row: every small-M config's time and share of the copy rate, fastest first."""
+    out = []
+    for r in rows:
+        times, pct = r.get("configs") or {}, r.get("configs_pct_copy") or {}
+        if times:
+            cells = [f"{c} {times[c]:.1f} us {pct.get(c, 0):.1f}%" for c in sorted(times, key=times.get)]
+            out.append(f"variants M={r['m']} {r['weight']}: " + ", ".join(cells))
+    return out
 
 
 def target_lines(rows: list[dict]) -> list[str]:
@@ -291,7 +344,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--chain", default="bias@0;gelu_tanh", help="epilogue chain ('' for a plain GEMM)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--reps", type=int, default=50, help="timed replays per column (median kept)")
-    parser.add_argument("--no-flush", action="store_true", help="leave L2 warm between replays")
+    parser.add_argument("--flush", choices=FLUSHES, default="read",
+                        help="L2 eviction before each timed replay: a 256 MiB read (default), write, or none")
+    parser.add_argument("--no-flush", action="store_true", help="the same as --flush none")
     parser.add_argument("--inductor", action="store_true", help="let the tuner race Inductor too (compiles for minutes)")
     parser.add_argument("--json", help="write the rows and the environment here")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
@@ -313,8 +368,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
         "torch": torch.__version__, "python": platform.python_version(), "argv": " ".join(sys.argv[1:]),
     }
-    print(f"# nvgemm_small_m {env['date']}, {env['device']}, torch {env['torch']}, argv {env['argv']}", flush=True)
-    timer = Timer(device, reps, flush=not args.no_flush)
+    flush = "none" if args.no_flush else args.flush
+    env["flush"] = flush
+    print(f"# nvgemm_small_m {env['date']}, {env['device']}, torch {env['torch']}, L2 flush: {flush}, "
+          f"argv {env['argv']}", flush=True)
+    timer = Timer(device, reps, flush=flush)
     copy_gbps = copy_bandwidth(device, copy_bytes, reps)
     rows = []
     for weight in weights:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -101,3 +103,128 @@ def test_switch_operator_from_export():
     ep = export(S(), (scalar(1), x))
     m = lower(ep, (scalar(1), x))
     check(m, ep.module(), [(scalar(k), x) for k in (0, 1, 2)])
+
+
+# --------------------------------------------------------------------------- index programs
+aten = torch.ops.aten
+
+
+def _indexed_switch(branches, steps):
+    """switch_module whose index is ``steps`` applied to its first input (FX targets and extra args)."""
+    from branchyard.fx.control_flow import switch as by_switch
+
+    gm = switch_module(branches, num_operands=1)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is by_switch)
+    value = node.args[0]
+    with gm.graph.inserting_before(node):
+        for target, args, kwargs in steps:
+            value = gm.graph.call_function(target, (value, *args), kwargs)
+    node.args = (value, *node.args[1:])
+    gm.recompile()
+    return gm
+
+
+def _index_loop(branches, steps, row=lambda r: r.reshape(-1)):
+    """``for v in vs: x = branches[clamp(steps(row(v)))](x)`` as one while_loop."""
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sw = _indexed_switch(branches, steps)
+
+        def forward(self, i, x, vs):
+            return i + 1, self.sw(row(torch.index_select(vs, 0, i.view(1))), x)[0]
+
+    return while_loop_module(lambda i, x, vs: i < vs.shape[0], trace(Body()), num_carried=2, num_additional=1)
+
+
+def _reference(branches, steps, x, vs, row=lambda r: r.reshape(-1)):
+    for v in vs:
+        k = row(v[None])
+        for target, args, kwargs in steps:
+            k = target(k, *args, **kwargs)
+        x = branches[min(max(int(k), 0), len(branches) - 1)](x)
+    return x
+
+
+ROUTER = [(aten.argmax.default, (), {}), (aten.clamp.default, (-1, 6), {}), (aten.remainder.Scalar, (7,), {})]
+STEP_FORMS = {
+    "export": ROUTER,  # what cond_to_switch makes of an idx == k chain
+    "torch": [(torch.argmax, (), {}), (torch.clamp, (), {"min": -3, "max": 9}), (torch.remainder, (-5,), {})],
+    "operator": [(torch.argmax, (0,), {}), (operator.mod, (6,), {}), (torch.clamp, (), {"max": 4})],
+    "no_argmax": [(aten.clamp.default, (-2, 10), {}), (aten.remainder.Scalar, (3,), {})],
+}
+
+
+def _rows(dtype, steps, t=96, length=24):
+    """Rows with ties, NaNs and infinities (floats) or repeated maxima (ints) that hit every branch."""
+    g = torch.Generator().manual_seed(7)
+    if steps is STEP_FORMS["no_argmax"]:
+        return torch.randint(-30, 40, (t, 1), generator=g).to(device=DEV, dtype=dtype)
+    if dtype.is_floating_point:
+        v = torch.randint(-4, 5, (t, length), generator=g).to(dtype) * 0.5  # many ties
+        v[5, 3] = v[5, 17] = float("nan")
+        v[9, 0] = float("nan")
+        v[11, :] = float("-inf")
+        v[12, 20] = float("inf")
+        v[13, :] = 1.0
+    else:
+        v = torch.randint(-3, 4, (t, length), generator=g).to(dtype)
+        v[13, :] = 2
+    return v.to(DEV)
+
+
+@pytest.mark.parametrize("form", sorted(STEP_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64])
+def test_switch_index_argmax_clamp_remainder_run_in_the_set_kernel(form, dtype):
+    steps = STEP_FORMS[form]
+    if form == "no_argmax" and dtype.is_floating_point:
+        pytest.skip("clamp and remainder of a float index promote: torch kernels (see the CPU tests)")
+    row = (lambda r: r.reshape(())) if form == "no_argmax" else (lambda r: r.reshape(-1))
+    branches = [(lambda k: lambda x: x * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
+    vs = _rows(dtype, steps)
+    x = torch.randn(4096, device=DEV)
+    m = lower(_index_loop(branches, steps, row), (scalar(0), x, vs))
+    # a step: index_select, ONE set kernel (argmax, clamp, remainder, clamp), SWITCH, the step kernel
+    body = m.graph_nodes.bodies[0]
+    assert body.by_type == {"KERNEL": 3, "CONDITIONAL": 1}, m.graph_nodes.summary()
+    ref = _reference(branches, steps, x, vs, row)
+    zero = scalar(0)
+    with no_host_sync():
+        i, y = m(zero, x, vs)
+    assert i.item() == vs.shape[0]
+    assert torch.equal(y, ref)
+    for trial in range(3):  # new rows: the kernel reads them each replay
+        vs2 = _rows(dtype, steps)[torch.randperm(vs.shape[0], generator=torch.Generator().manual_seed(trial))]
+        with no_host_sync():
+            i, y = m(zero, x, vs2)
+        assert torch.equal(y, _reference(branches, steps, x, vs2, row))
+
+
+def test_index_steps_past_the_set_kernel_limit_run_as_torch_kernels():
+    # five steps after the argmax: the fifth does not fit the kernel, so the program runs as torch
+    # kernels and the last clamp as one more; the result must not change.
+    steps = [(aten.argmax.default, (), {}), (aten.clamp.default, (-5, 50), {}), (aten.remainder.Scalar, (9,), {}),
+             (aten.clamp.default, (1, 6), {})]
+    branches = [(lambda k: lambda x: x - k)(k) for k in range(8)]
+    vs = _rows(torch.float32, steps)
+    x = torch.randn(256, device=DEV)
+    m = lower(_index_loop(branches, steps), (scalar(0), x, vs))
+    assert m.graph_nodes.bodies[0].by_type["KERNEL"] > 3, m.graph_nodes.summary()
+    with no_host_sync():
+        _, y = m(scalar(0), x, vs)
+    assert torch.equal(y, _reference(branches, steps, x, vs))
+
+
+def test_index_of_a_strided_row_takes_torch_argmax_then_the_set_kernel_steps():
+    # a transposed row is not contiguous: argmax stays a torch kernel, clamp and remainder do not
+    row = lambda r: r.reshape(4, -1).t()  # noqa: E731
+    branches = [(lambda k: lambda x: x * 2 - k)(k) for k in range(8)]
+    vs = _rows(torch.float32, ROUTER, t=40, length=24)
+    x = torch.randn(512, device=DEV)
+    m = lower(_index_loop(branches, ROUTER, row), (scalar(0), x, vs))
+    # index_select, argmax, the set kernel (clamp, remainder, clamp), SWITCH, the step kernel
+    assert m.graph_nodes.bodies[0].by_type == {"KERNEL": 4, "CONDITIONAL": 1}, m.graph_nodes.summary()
+    with no_host_sync():
+        _, y = m(scalar(0), x, vs)
+    assert torch.equal(y, _reference(branches, ROUTER, x, vs, row))

@@ -39,7 +39,15 @@ from torch.utils import _pytree as pytree
 
 from branchyard.errors import BranchyardError, LoweringError, UnsupportedGraphError
 from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handler_for
-from branchyard.lowering.cuda_graph.patterns import COMPARISONS, match_comparison, out_form
+from branchyard.lowering.cuda_graph.patterns import (
+    COMPARISONS,
+    INDEX_STEPS,
+    IndexProgram,
+    feeds_only_switch_index,
+    match_comparison,
+    match_index_step,
+    out_form,
+)
 
 __all__ = [
     "Phase",
@@ -75,6 +83,10 @@ def _in(target: Any, table: dict) -> bool:
         return target in table
     except TypeError:  # unhashable target
         return False
+
+
+def _is_switch(n: Node) -> bool:
+    return n.op == "call_function" and handler_for(n.target) is HANDLERS["switch"]
 
 
 def _is_rng(op: str, target: Any) -> bool:
@@ -221,6 +233,15 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                 if deferred is not None:
                     self.ctx.keepalive.append(deferred)
                     return deferred
+        if self.ctx.phase is Phase.CAPTURE and n.op == "call_function":
+            if _in(n.target, INDEX_STEPS) and feeds_only_switch_index(n, _is_switch):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                program = match_index_step(n.target, args, kwargs)
+                if program is not None:
+                    self.ctx.keepalive.append(program)
+                    return program
+            if not _is_switch(n):
+                self._materialize_index_programs(n)
         try:
             result = super().run_node(n)
         except BranchyardError:
@@ -240,6 +261,15 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
             self._check_devices(n, result)
             self._record_meta(n, result)
         return result
+
+    def _materialize_index_programs(self, n: Node) -> None:
+        """Index steps deferred for a set kernel whose consumer turned out not to fit
+        (a step the kernel cannot compute): run them as torch kernels after all."""
+        for inp in n.all_input_nodes:
+            value = self.env.get(inp)
+            if isinstance(value, IndexProgram):
+                self.env[inp] = value.evaluate()
+                self.ctx.keepalive.append(self.env[inp])
 
     def _record_meta(self, n: Node, result: Any) -> None:
         meta = (tuple(result.shape), result.dtype) if isinstance(result, torch.Tensor) else None

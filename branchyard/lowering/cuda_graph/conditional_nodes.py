@@ -47,7 +47,7 @@ import torch
 from branchyard.errors import LoweringError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from branchyard.lowering.cuda_graph.patterns import Comparison
+    from branchyard.lowering.cuda_graph.patterns import Comparison, IndexProgram
 
 #: Conditional nodes nest at most this deep (one dedicated side stream per level).
 MAX_NESTING = 16
@@ -168,6 +168,73 @@ extern "C" __global__ void branchyard_set_index(cudaGraphConditionalHandle h, co
     cudaGraphSetConditional(h, (unsigned int)i);
 }
 
+// Reals an argmax reads, by dtype code: 3 float32, 4 float64, 8 bfloat16, 9 float16.
+__device__ __forceinline__ double by_load_real(const void* p, long long i, int dtype) {
+    union { unsigned int u; float f; } bits;
+    switch (dtype) {
+        case 3: return ((const float*)p)[i];
+        case 4: return ((const double*)p)[i];
+        case 8: bits.u = ((unsigned int)((const unsigned short*)p)[i]) << 16; return bits.f;
+        default: {
+            float f;
+            asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const unsigned short*)p)[i]));
+            return f;
+        }
+    }
+}
+__device__ __forceinline__ int by_int_size(int dtype) {
+    return dtype == 1 ? 8 : dtype == 2 ? 4 : dtype == 5 ? 2 : 1;
+}
+
+// torch.argmax of len elements: the first maximum; a NaN counts as the maximum (the first NaN wins).
+__device__ long long by_argmax(const void* p, int dtype, long long len) {
+    long long best = 0;
+    if (dtype == 3 || dtype == 4 || dtype == 8 || dtype == 9) {
+        double m = by_load_real(p, 0, dtype);
+        if (m != m) return 0;
+        for (long long i = 1; i < len; ++i) {
+            double v = by_load_real(p, i, dtype);
+            if (v != v) return i;
+            if (v > m) { m = v; best = i; }
+        }
+        return best;
+    }
+    int size = by_int_size(dtype);
+    long long m = by_load_int(p, dtype);
+    for (long long i = 1; i < len; ++i) {
+        long long v = by_load_int((const char*)p + i * size, dtype);
+        if (v > m) { m = v; best = i; }
+    }
+    return best;
+}
+
+// A switch index computed here instead of by torch kernels (IndexProgram in Python):
+// i = argmax(src[0:len]) or the integer *src, then up to four steps on int64 --
+// 1 max(i, a) (clamp's min), 2 min(i, a) (clamp's max), 3 Python's i % a (the sign of a) --
+// then the handle gets clamp(i, 0, n - 1) like branchyard_set_index.
+extern "C" __global__ void branchyard_set_program(cudaGraphConditionalHandle h, const void* src, int dtype,
+                                                  long long len, int argmax, int nsteps,
+                                                  int op0, long long a0, int op1, long long a1,
+                                                  int op2, long long a2, int op3, long long a3, long long n) {
+    long long i = argmax ? by_argmax(src, dtype, len) : by_load_int(src, dtype);
+    const int ops[4] = {op0, op1, op2, op3};
+    const long long as[4] = {a0, a1, a2, a3};
+    for (int k = 0; k < nsteps && k < 4; ++k) {
+        long long a = as[k];
+        if (ops[k] == 1) {
+            i = i < a ? a : i;
+        } else if (ops[k] == 2) {
+            i = i > a ? a : i;
+        } else {
+            long long r = a == -1 ? 0 : i % a;  // -1: no LLONG_MIN % -1 overflow; always 0
+            if (r != 0 && ((r < 0) != (a < 0))) r += a;
+            i = r;
+        }
+    }
+    i = i < 0 ? 0 : (i >= n ? n - 1 : i);
+    cudaGraphSetConditional(h, (unsigned int)i);
+}
+
 // Switch as a chain of IF nodes: handle k of this launch is set to (clamp(index) == base + k).
 extern "C" __global__ void branchyard_set_onehot(const void* index, int dtype, long long n, long long base, int count,
                                                  cudaGraphConditionalHandle h0, cudaGraphConditionalHandle h1,
@@ -189,6 +256,7 @@ extern "C" __global__ void branchyard_copy4(int count, BY_COPY4_PARAMS) {
 SET_KERNEL_NAMES = (
     "branchyard_step",
     "branchyard_set_index",
+    "branchyard_set_program",
     "branchyard_set_onehot",
     "branchyard_copy4",
 )
@@ -435,6 +503,38 @@ class ConditionalBuilder:
             (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong),
         )
         self._keepalive.append(index)
+
+    def set_from_program(self, handle: Any, program: "IndexProgram", n: int) -> None:
+        """Capture ONE set kernel: ``handle = clamp(program, 0, n - 1)``, the program's
+        argmax and steps computed by the kernel (see :class:`~.patterns.IndexProgram`)."""
+        from branchyard.lowering.cuda_graph.patterns import (
+            ARGMAX_DTYPE_CODES, INDEX_STEP_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS,
+        )
+
+        src = program.source
+        if program.argmax:
+            code = ARGMAX_DTYPE_CODES.get(src.dtype)
+            if code is None or not src.is_cuda or not src.is_contiguous() or not 0 < src.numel() <= MAX_ARGMAX_ELEMENTS:
+                raise LoweringError(
+                    f"the set kernel takes the argmax of a contiguous CUDA tensor of 1 to {MAX_ARGMAX_ELEMENTS} "
+                    f"elements of {', '.join(str(d).removeprefix('torch.') for d in ARGMAX_DTYPE_CODES)}; got "
+                    f"{src.dtype} of shape {tuple(src.shape)} on {src.device}",
+                    where="switch index",
+                )
+        else:
+            code = self._check_index(src)
+        if len(program.steps) > MAX_INDEX_STEPS:
+            raise LoweringError(f"the set kernel applies at most {MAX_INDEX_STEPS} index steps, got {len(program.steps)}",
+                                where="switch index")
+        steps: list[int] = []
+        for op, a in program.steps:
+            steps += [INDEX_STEP_CODES[op], int(a)]
+        steps += [0, 0] * (MAX_INDEX_STEPS - len(program.steps))
+        args = (int(handle), src.data_ptr(), code, src.numel(), int(program.argmax), len(program.steps), *steps, n)
+        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
+                 *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
+        self._launch("branchyard_set_program", args, types)
+        self._keepalive.append(program)
 
     def set_onehot(self, handles: list[Any], index: torch.Tensor, per_kernel: int = 8) -> None:
         """Capture set kernels: ``handles[k] = (clamp(index, 0, n - 1) == k)`` (switch as n IF nodes),

@@ -51,6 +51,7 @@ import torch
 
 from branchyard.errors import LoweringError, MalformedGraphError, UnsupportedGraphError
 from branchyard.fx.control_flow import switch
+from branchyard.lowering.cuda_graph.patterns import IndexProgram
 
 if TYPE_CHECKING:  # pragma: no cover
     from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter
@@ -367,6 +368,12 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
         return interp.subgraph(branches[i], operands, f"branch {i}")
     ctx, b = interp.ctx, interp.ctx.builder
     outs = _output_buffers(interp, node)
+    if isinstance(index, IndexProgram) and not ctx.switch_as_ifs:
+        handle = b.new_handle()
+        b.set_from_program(handle, index, n)  # the index's argmax/clamp/remainder in the set kernel
+        return _fill_switch(interp, b, handle, branches, operands, outs)
+    if isinstance(index, IndexProgram):
+        index = index.evaluate()
     idx = index.reshape(())  # the set kernels read any integer dtype: no conversion kernel
     interp.keep(idx)
     if ctx.switch_as_ifs:
@@ -381,7 +388,14 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
         return tuple(outs)
     handle = b.new_handle()
     b.set_from_index(handle, idx, n)
-    bodies = b.add_node(CondKind.SWITCH, handle, n)
+    return _fill_switch(interp, b, handle, branches, operands, outs)
+
+
+def _fill_switch(interp: "ControlFlowInterpreter", b: Any, handle: Any, branches: tuple, operands: tuple, outs: list) -> tuple:
+    """A SWITCH node on ``handle`` (already set), branch ``i`` captured into its body ``i``."""
+    from branchyard.lowering.cuda_graph.conditional_nodes import CondKind
+
+    bodies = b.add_node(CondKind.SWITCH, handle, len(branches))
     for i, (body, fn) in enumerate(zip(bodies, branches)):
         with b.capture_into(body):
             _fill(interp, fn, operands, outs, f"branch {i}")

@@ -13,7 +13,9 @@ keeps its own node-saving patterns and fused kernels:
 * control flow (cond, switch, while_loop) and custom ops (``branchyard.fused_gemm_epilogue``);
 * arithmetic on 0-d integer and bool values (loop counters, predicates,
   ``idx == k``), which the set and step kernels evaluate themselves; a
-  reduction of real data to an index (``argmax``) may join a region;
+  reduction of real data to an index (``argmax``) may join a region, except
+  a small one feeding only a switch's index, which the switch's set kernel
+  computes (:class:`~.patterns.IndexProgram`);
 * random ops (the lowering refuses them inside bodies with a clear error).
 
 Before / after, in one body::
@@ -87,10 +89,28 @@ class _Fusable(OperatorSupportBase):
             return False
         if val.dim() == 0 and not val.dtype.is_floating_point:
             # Scalar arithmetic on counters, predicates and indices stays: the set and step
-            # kernels evaluate it. A reduction of real data to an index (argmax) may join.
+            # kernels evaluate it. A reduction of real data to an index (argmax) may join,
+            # unless it is a small argmax feeding a switch index, which the set kernel takes.
+            if _set_kernel_argmax(node):
+                return False
             inputs = [a.meta.get("val") for a in node.all_input_nodes]
             return any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in inputs)
         return True
+
+
+def _set_kernel_argmax(node: Node) -> bool:
+    """An ``argmax`` of at most :data:`~.patterns.MAX_ARGMAX_ELEMENTS` elements whose
+    result feeds only switch indices: the switch's set kernel computes it."""
+    from branchyard.lowering.cuda_graph.handlers import HANDLERS, handler_for
+    from branchyard.lowering.cuda_graph.patterns import INDEX_STEPS, MAX_ARGMAX_ELEMENTS, feeds_only_switch_index
+
+    if INDEX_STEPS.get(node.target) != "argmax" or not node.args or not isinstance(node.args[0], Node):
+        return False
+    src = node.args[0].meta.get("val")
+    numel = src.numel() if isinstance(src, torch.Tensor) else None
+    if not isinstance(numel, int) or numel > MAX_ARGMAX_ELEMENTS:
+        return False  # symbolic or large: Inductor's reduction is the better kernel
+    return feeds_only_switch_index(node, lambda n: handler_for(n.target) is HANDLERS["switch"])
 
 
 def _fuse_one(gm: GraphModule) -> int:

@@ -17,6 +17,16 @@ set kernel evaluates: the addition moves into the loop's step kernel::
 
     before: j = add(i, 1); step(h, j < n, i <- j)       after: step(h, i += 1; i < n)
 
+**Switch indices a set kernel computes itself.** The integer steps that
+turn a value into a switch index -- ``clamp`` and Python-style ``remainder`` by
+Python ints, after an optional ``argmax`` of a small tensor -- are not run as
+torch kernels when they feed only the switch's index: the set kernel reads the
+source, applies them and sets the handle (up to :data:`MAX_INDEX_STEPS` steps,
+``argmax`` over up to :data:`MAX_ARGMAX_ELEMENTS` elements)::
+
+    before: i = argmax(v); j = clamp(i, -1, 6); k = remainder(j, 7); set(h, k)
+    after:  set_program(h, argmax(&v); max -1; min 6; mod 7)
+
 **Outputs written in place.** An op whose result is a branch's output and that
 has an ``out=`` form writes straight into the conditional node's output buffer,
 so no copy node follows it::
@@ -42,7 +52,11 @@ __all__ = [
     "COMPARISONS",
     "INCREMENTS",
     "Comparison",
+    "IndexProgram",
+    "INDEX_STEPS",
+    "feeds_only_switch_index",
     "match_comparison",
+    "match_index_step",
     "match_increment",
     "out_form",
 ]
@@ -161,6 +175,132 @@ def _hashable(target: Any) -> bool:
         hash(target)
     except TypeError:
         return False
+    return True
+
+
+# --------------------------------------------------------------------------- switch indices
+#: Index steps per set kernel (its immediate operands).
+MAX_INDEX_STEPS = 4
+#: Largest tensor the set kernel's single thread takes an argmax of.
+MAX_ARGMAX_ELEMENTS = 1024
+#: step name -> the set kernel's op code.
+INDEX_STEP_CODES: dict[str, int] = {"max": 1, "min": 2, "mod": 3}
+#: dtype -> code for the tensor an argmax reads (the comparison codes plus two 16-bit floats).
+ARGMAX_DTYPE_CODES: dict[torch.dtype, int] = {**DTYPE_CODES, torch.bfloat16: 8, torch.float16: 9}
+#: FX targets of the index steps (export's aten overloads and their torch functions).
+INDEX_STEPS: dict[Any, str] = {
+    aten.clamp.default: "clamp", torch.clamp: "clamp",
+    aten.remainder.Scalar: "remainder", torch.remainder: "remainder", operator.mod: "remainder",
+    aten.argmax.default: "argmax", torch.argmax: "argmax",
+}
+
+
+@dataclass(frozen=True)
+class IndexProgram:
+    """A switch index left for the set kernel: ``source`` (a 0-d integer tensor, or
+    with ``argmax`` a small contiguous tensor), then ``steps`` of ``("max", lo)``,
+    ``("min", hi)`` or ``("mod", n)`` on int64. As Python::
+
+        i = int(argmax(source)) if argmax else int(source)
+        for op, a in steps:
+            i = max(i, a) if op == "max" else min(i, a) if op == "min" else i % a
+    """
+
+    source: torch.Tensor
+    argmax: bool = False
+    steps: tuple[tuple[str, int], ...] = ()
+
+    def evaluate(self) -> torch.Tensor:
+        """The index as the torch kernels compute it (where a tensor is needed after all)."""
+        i = torch.argmax(self.source) if self.argmax else self.source
+        for op, a in self.steps:
+            i = torch.clamp(i, min=a) if op == "max" else torch.clamp(i, max=a) if op == "min" else torch.remainder(i, a)
+        return i
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _index_steps(name: str, args: tuple, kwargs: dict) -> tuple[tuple[str, int], ...] | None:
+    """The steps ``clamp``/``remainder`` with these operands stand for, or None."""
+    if name == "clamp":
+        bound = dict(zip(("min", "max"), args[1:]), **kwargs)
+        if set(bound) - {"min", "max"} or len(args) > 3:
+            return None
+        lo, hi = bound.get("min"), bound.get("max")
+        if any(b is not None and not _int(b) for b in (lo, hi)) or (lo is None and hi is None):
+            return None
+        return tuple(s for s in (("max", lo), ("min", hi)) if s[1] is not None)
+    if kwargs or len(args) != 2 or not _int(args[1]) or args[1] == 0:
+        return None
+    return (("mod", args[1]),)
+
+
+def match_index_step(target: Any, args: tuple, kwargs: dict) -> IndexProgram | None:
+    """``target(*args, **kwargs)`` as an :class:`IndexProgram` (extending one passed as the
+    first argument), or None when the set kernel cannot compute it exactly.
+
+        >>> import torch
+        >>> v = torch.tensor([0.5, 2.0, 2.0, -1.0])
+        >>> p = match_index_step(torch.argmax, (v,), {})
+        >>> p = match_index_step(torch.clamp, (p, -1, 2), {})
+        >>> p = match_index_step(torch.remainder, (p, 3), {})
+        >>> p.steps, int(p.evaluate())
+        ((('max', -1), ('min', 2), ('mod', 3)), 1)
+    """
+    name = INDEX_STEPS.get(target) if _hashable(target) else None
+    if name is None or not args:
+        return None
+    x = args[0]
+    if name == "argmax":
+        if not isinstance(x, torch.Tensor):
+            return None
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if set(kwargs) - {"dim", "keepdim"} or len(args) > 3:
+            return None
+        if dim is not None and not (x.dim() == 1 and dim in (0, -1)):
+            return None  # a flat argmax (or one over the only dim) is what the kernel computes
+        if x.dtype not in ARGMAX_DTYPE_CODES or not 0 < x.numel() <= MAX_ARGMAX_ELEMENTS or not x.is_contiguous():
+            return None
+        return IndexProgram(x, argmax=True)
+    steps = _index_steps(name, args, kwargs)
+    if steps is None:
+        return None
+    if isinstance(x, IndexProgram):
+        program = x
+    elif isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype in DTYPE_CODES and not x.dtype.is_floating_point:
+        info = torch.iinfo(x.dtype)
+        if any(not info.min <= a <= info.max for _, a in steps):
+            return None  # torch would compute in the tensor's dtype: keep its overflow behaviour
+        program = IndexProgram(x)
+    else:
+        return None
+    if len(program.steps) + len(steps) > MAX_INDEX_STEPS:
+        return None
+    return IndexProgram(program.source, program.argmax, program.steps + steps)
+
+
+def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool]) -> bool:
+    """Whether every use of the FX ``node`` is as a switch's index (``is_switch(user)``,
+    ``user.args[0] is node``) or as the first operand of an index step that itself
+    feeds only switch indices -- the nodes a set kernel may compute instead."""
+    users = list(getattr(node, "users", ()))
+    if not users:
+        return False
+    for user in users:
+        if user.op != "call_function" or not user.args or user.args[0] is not node:
+            return False
+        rest: list[Any] = []
+        torch.fx.node.map_arg((user.args[1:], user.kwargs), rest.append)
+        if node in rest:
+            return False  # also an operand (of a branch, or a bound)
+        if is_switch(user):
+            continue
+        if not (_hashable(user.target) and INDEX_STEPS.get(user.target) in ("clamp", "remainder")):
+            return False
+        if not feeds_only_switch_index(user, is_switch):
+            return False
     return True
 
 

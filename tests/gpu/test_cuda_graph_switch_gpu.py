@@ -188,6 +188,7 @@ def test_switch_index_argmax_clamp_remainder_run_in_the_set_kernel(form, dtype):
     # a step: index_select, ONE set kernel (argmax, clamp, remainder, clamp), SWITCH, the step kernel
     body = m.graph_nodes.bodies[0]
     assert body.by_type == {"KERNEL": 3, "CONDITIONAL": 1}, m.graph_nodes.summary()
+    assert len(body.bodies) == 8 and all(b.by_type == {"KERNEL": 2} for b in body.bodies), m.graph_nodes.summary()
     ref = _reference(branches, steps, x, vs, row)
     zero = scalar(0)
     with no_host_sync():

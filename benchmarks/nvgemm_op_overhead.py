@@ -12,6 +12,8 @@ column also as a ratio to ``aten_noop`` of the same rounds):
 * ``aten_noop``    ``torch.ops.aten.alias`` through the dispatcher: the floor any op pays;
 * ``op``           ``torch.ops.branchyard.fused_gemm_epilogue.default`` (what an exported
                    program calls), no tensor requiring grad;
+* ``op_out``       its ``out=`` overload writing a row-major buffer made beforehand (what a
+                   CUDA-graph branch's last op calls), where the op has one;
 * ``op_in_graph``  the same inside a ``torch.fx`` GraphModule (``ep.module()``'s path);
 * ``op_body``      the op's kernel (``op._fused_gemm_epilogue``), called directly (the op's
                    share of ``op``; the rest is the dispatcher's trip into Python);
@@ -118,13 +120,18 @@ def measure(calls: int = 2000, repeats: int = 15, m: int = 16, k: int = 64, n: i
     w_kn = w.t()
     with torch.inference_mode(False), torch.no_grad():
         op(a, w, ops, spec)  # tunes (the no-op candidate) once
-        return _interleaved({
+        columns = {
             "aten_noop": lambda: torch.ops.aten.alias.default(a),
             "op": lambda: op(a, w, ops, spec),
             "op_in_graph": lambda: gm(a, w, bias, res),
             "op_body": lambda: body(a, w, ops, spec),
             "impl": lambda: noop(a, w_kn, ops, out),
-        }, calls, repeats)
+        }
+        op_out = getattr(torch.ops.branchyard.fused_gemm_epilogue, "out", None)
+        if op_out is not None:
+            buf = torch.empty(m, n, dtype=dtype, device=device)
+            columns["op_out"] = lambda: op_out(a, w, ops, spec, out=buf)
+        return _interleaved(columns, calls, repeats)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

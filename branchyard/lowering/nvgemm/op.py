@@ -10,7 +10,20 @@ Semantics (``spec`` parsed by :meth:`EpilogueSpec.parse`)::
     return acc.to(spec.out_dtype).reshape(*a.shape[:-1], N)     # one store
 
 ``col`` operands hold ``N`` elements (any shape ``[..., 1, N]``), ``matrix``
-operands ``M * N`` elements in row-major order of the output. The op is
+operands ``M * N`` elements in row-major order of the output.
+
+Its ``out=`` overload writes the result into a given tensor (what the CUDA-graph
+lowering uses to land a branch's last op in the conditional node's output
+buffer without a copy node)::
+
+    fused_gemm_epilogue.out(Tensor a, Tensor b, Tensor[] operands, str spec, *, Tensor(a!) out) -> Tensor(a!)
+    # == out.copy_(fused_gemm_epilogue(a, b, operands, spec)); return out
+
+computed straight into ``out`` where it is a 16-byte aligned row-major buffer
+of the output's shape that no input overlaps (else into a temporary, then
+copied). As with ATen's out= ops: an ``out`` of another shape is resized (with
+ATen's deprecation warning unless it is empty), one of another dtype or device
+is an error, and no argument may require grad while grad mode is on. The op is
 defined with ``torch.library`` (a backend kernel, a fake implementation and an
 Autograd kernel), so programs that contain it still export, save/load
 (importing branchyard registers it) and trace with ``make_fx``. It is made for inference; its backward (so that
@@ -61,6 +74,7 @@ from branchyard.lowering.nvgemm.tuner import Autotuner
 __all__ = [
     "OP_NAME",
     "fused_gemm_epilogue",
+    "fused_gemm_epilogue_out",
     "NvGemmFallbackWarning",
     "parse_spec",
     "check_arguments",
@@ -73,6 +87,8 @@ __all__ = [
 logger = logging.getLogger("branchyard")
 
 OP_NAME = "branchyard::fused_gemm_epilogue"
+#: The ``out=`` overload, as error messages name it.
+OUT_NAME = f"{OP_NAME}.out"
 
 
 class NvGemmFallbackWarning(UserWarning):
@@ -213,6 +229,12 @@ class CallPlan:
     #: The weight's ``(shape, stride)`` (what a remembered ``[K, N]`` view must have
     #: been made from, see :func:`_weight_kn`).
     b_meta: tuple | None = None
+    #: The output's row-major strides (what an ``out=`` buffer must have to be written directly).
+    out_stride: tuple[int, ...] = ()
+    #: Bytes ``a``, ``b`` and each operand reach from their data pointers (see :func:`_overlaps`).
+    spans: tuple[int, ...] = ()
+    #: Bytes of the output.
+    out_bytes: int = 0
 
 
 #: Call signatures remembered before the table starts over (serving with many M).
@@ -251,15 +273,34 @@ def run_unfused(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], 
     return unfused_aten_epilogue(y, spec, list(operands)).reshape(*a.shape[:-1], n)
 
 
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (as ``torch.empty`` makes them)."""
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def _span(t: torch.Tensor) -> int:
+    """How many bytes from ``t.data_ptr()`` the elements of ``t`` reach (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((d - 1) * st for d, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode, tuner: Autotuner) -> CallPlan:
     """Check the arguments, decide fused or unfused, tune if fused (first call of a signature)."""
     s = plan.spec
     m, n, k = check_arguments(a, b, operands, s)
     reshape_ops = tuple((t.dim() != 1) if col else (t.dim() != 2) for t, col in zip(operands, plan.col))
     op_shapes = tuple(((n,) if col else (m, n)) if again else None for col, again in zip(plan.col, reshape_ops))
-    call = CallPlan(m, n, k, (*a.shape[:-1], n), reshape_a=a.dim() != 2, reshape_ops=reshape_ops, spec=s,
+    out_shape = (*a.shape[:-1], n)
+    call = CallPlan(m, n, k, out_shape, reshape_a=a.dim() != 2, reshape_ops=reshape_ops, spec=s,
                     nk=plan.nk, op_shapes=op_shapes if any(reshape_ops) else None, out_dtype=s.out_dtype,
-                    device=a.device, b_meta=(b.shape, b.stride()))
+                    device=a.device, b_meta=(b.shape, b.stride()), out_stride=_row_major(out_shape),
+                    spans=tuple(_span(t) for t in (a, b, *operands)),
+                    out_bytes=m * n * s.out_dtype.itemsize)
     if m == 0:
         call.reason = "M = 0: nothing to compute"
         return call
@@ -333,12 +374,15 @@ def _weight_kn(call: CallPlan, b: torch.Tensor, b_ptr: int) -> torch.Tensor:
     return view
 
 
-def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str) -> torch.Tensor:
-    """The op's kernel on every backend (see the module docstring for semantics).
+def _fused_gemm_epilogue(
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kernel of both overloads on every backend (see the module docstring
+    for semantics): ``out=None`` is the functional op, else the ``out=`` one.
 
     A known signature costs one key, one dict lookup, the views the impl takes
     (the weight's is remembered), a pointer-alignment check, the output
-    allocation and the launch.
+    allocation (or ``out``'s checks) and the launch.
     """
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
@@ -347,11 +391,16 @@ def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.
     if call is None:
         call = _first_sight(a, b, operands, spec, mode, key, tuner)
         if call is None:
-            return run_unfused(a, b, operands, _spec_plan(spec).spec)
+            s = _spec_plan(spec).spec
+            if out is not None:
+                _check_out(out, (*a.shape[:-1], _dims(a, b, s)[1]), s.out_dtype, a.device)
+            return _unfused(a, b, operands, s, out)
+    if out is not None:
+        _check_out(out, call.out_shape, call.out_dtype, call.device)
     impl = call.impl
     if impl is None:
         _say_once(call.reason)  # type: ignore[arg-type]
-        return run_unfused(a, b, operands, call.spec)  # type: ignore[arg-type]
+        return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
     a2d = a.reshape(call.m, call.k) if call.reshape_a else a
     b_ptr = b.data_ptr()
     b_kn = _weight_kn(call, b, b_ptr) if call.nk else b
@@ -362,12 +411,88 @@ def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.
         ptrs |= t.data_ptr()
     if ptrs % ALIGN_BYTES:  # same shapes and strides, another storage offset
         _say_once("a pointer is not 16-byte aligned")
-        return run_unfused(a, b, operands, call.spec)  # type: ignore[arg-type]
+        return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
+    if out is not None:
+        return _launch_into(out, call, impl, a2d, b_kn, ops2d, (a, b, *operands))
     # empty_strided: the same row-major buffer as torch.empty, without its memory-format argument parsing
     out = torch.empty_strided((call.m, call.n), (call.n, 1), dtype=call.out_dtype, device=call.device)
     res = impl(a2d, b_kn, ops2d, out)
     res = out if res is None else res
     return res.reshape(call.out_shape) if call.reshape_a else res
+
+
+def _unfused(a, b, operands, spec: EpilogueSpec, out: torch.Tensor | None) -> torch.Tensor:
+    """:func:`run_unfused`, its result copied into ``out`` (already checked) when there is one."""
+    res = run_unfused(a, b, operands, spec)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+# --- the out= overload -----------------------------------------------------------
+
+
+def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse an ``out`` of another dtype or device; resize one of another shape
+    as ATen's out= ops do (silently when it is empty, else with ATen's warning)."""
+    if out.dtype != dtype:
+        raise LoweringError(f"out has dtype {out.dtype}; expected {dtype} (the spec's out dtype)", where=OUT_NAME,
+                            hint="pass an out tensor of the result's dtype, or call the functional op")
+    if out.device != device:
+        raise LoweringError(f"out is on {out.device}; expected {device}, where the input is", where=OUT_NAME,
+                            hint="pass an out tensor on the inputs' device")
+    if out.shape != shape:
+        _resize_out(out, shape)
+
+
+def _resize_out(out: torch.Tensor, shape: tuple) -> None:
+    """ATen's ``resize_output``: resize, warning when ``out`` had elements (deprecated in ATen)."""
+    if out.numel():
+        warnings.warn(
+            f"{OUT_NAME}: an output with one or more elements was resized since it had shape "
+            f"{list(out.shape)}, which does not match the required output shape {list(shape)} "
+            "(ATen's out= ops do the same and deprecate it; pass an empty out or one of the right shape)",
+            UserWarning, stacklevel=3,
+        )
+    try:
+        out.resize_(shape)
+    except RuntimeError as exc:
+        raise LoweringError(
+            f"out has shape {list(out.shape)}; expected {list(shape)}, and it cannot be resized: "
+            f"{str(exc).splitlines()[0]}", where=OUT_NAME, hint=f"pass an out tensor of shape {list(shape)}",
+        ) from exc
+
+
+def _overlaps(start: int, end: int, spans: tuple[int, ...], inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the bytes ``[start, end)`` meet any input's range (conservative: ranges, not elements)."""
+    for t, span in zip(inputs, spans):
+        p = t.data_ptr()
+        if p < end and start < p + span:
+            return True
+    return False
+
+
+def _launch_into(out: torch.Tensor, call: CallPlan, impl: Impl, a2d, b_kn, ops2d, inputs: tuple) -> torch.Tensor:
+    """Run the tuned ``impl`` so that its result lands in ``out`` (shape, dtype and
+    device checked): straight into it where it is an aligned row-major buffer no
+    input overlaps, else into a fresh buffer that is then copied (as when the impl
+    returns a tensor of its own)."""
+    ptr = out.data_ptr()
+    direct = (out.stride() == call.out_stride and not ptr % ALIGN_BYTES
+              and not _overlaps(ptr, ptr + call.out_bytes, call.spans, inputs))
+    if direct:
+        buf = out.view(call.m, call.n) if call.reshape_a else out
+    else:
+        buf = torch.empty_strided((call.m, call.n), (call.n, 1), dtype=call.out_dtype, device=call.device)
+    res = impl(a2d, b_kn, ops2d, buf)
+    if res is None or res is buf:
+        if direct:
+            torch._C._increment_version((out,))  # written through a pointer: autograd's in-place bookkeeping
+            return out
+        res = buf
+    out.copy_(res.reshape(call.out_shape) if call.reshape_a else res)
+    return out
 
 
 # --- registration ----------------------------------------------------------------
@@ -384,19 +509,51 @@ def _fused_gemm_epilogue(a: torch.Tensor, b: torch.Tensor, operands: list[torch.
 _LIB = torch.library.Library("branchyard", "FRAGMENT")
 _LIB.define("fused_gemm_epilogue(Tensor a, Tensor b, Tensor[] operands, str spec) -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.impl("fused_gemm_epilogue", _fused_gemm_epilogue, "CompositeExplicitAutograd")
+_LIB.define("fused_gemm_epilogue.out(Tensor a, Tensor b, Tensor[] operands, str spec, *, Tensor(a!) out) "
+            "-> Tensor(a!)", tags=(torch.Tag.pt2_compliant_tag,))
+for _name in ("fused_gemm_epilogue", "fused_gemm_epilogue.out"):
+    _LIB.impl(_name, _fused_gemm_epilogue, "CompositeExplicitAutograd")
 
 #: The op as the dispatcher sees it (what fused graphs and exported programs call).
 fused_gemm_epilogue = torch.ops.branchyard.fused_gemm_epilogue.default
+#: Its ``out=`` overload (what the CUDA-graph lowering calls to write a conditional node's output).
+fused_gemm_epilogue_out = torch.ops.branchyard.fused_gemm_epilogue.out
+
+
+def _out_shape(a, b, spec: str) -> tuple[EpilogueSpec, tuple]:
+    s = parse_spec(spec)
+    n = b.shape[1] if s.weight_layout == "kn" else b.shape[0]
+    return s, (*a.shape[:-1], n)
 
 
 def _fused_gemm_epilogue_fake(a, b, operands, spec):
-    s = parse_spec(spec)
-    n = b.shape[1] if s.weight_layout == "kn" else b.shape[0]
-    return a.new_empty((*a.shape[:-1], n), dtype=s.out_dtype)
+    s, shape = _out_shape(a, b, spec)
+    return a.new_empty(shape, dtype=s.out_dtype)
+
+
+def _fused_gemm_epilogue_out_fake(a, b, operands, spec, *, out):
+    s, shape = _out_shape(a, b, spec)
+    _check_out(out, shape, s.out_dtype, a.device)
+    return out
 
 
 torch.library.register_fake(OP_NAME, _fused_gemm_epilogue_fake, lib=_LIB)
+torch.library.register_fake(OUT_NAME, _fused_gemm_epilogue_out_fake, lib=_LIB)
+
+
+def _fused_gemm_epilogue_out_functional(a, b, operands, spec, *, out):
+    """The ``out=`` overload under functionalization (``torch.func.functionalize``,
+    ``torch.export``'s ``run_decompositions``, AOT compilation): the functional op,
+    then ``out.copy_`` -- which functionalization records as a mutation of
+    ``out``, so a functional graph holds only the functional op."""
+    res = fused_gemm_epilogue(a, b, operands, spec)
+    s, shape = _out_shape(a, b, spec)
+    _check_out(out, shape, s.out_dtype, a.device)
+    out.copy_(res)
+    return out
+
+
+_LIB.impl("fused_gemm_epilogue.out", _fused_gemm_epilogue_out_functional, "Functionalize")
 
 
 class _Differentiable(torch.autograd.Function):
@@ -445,17 +602,27 @@ def _needs_grad(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor]) 
     return False
 
 
-def _autograd_kernel(keyset, a, b, operands, spec):
-    if torch._C.is_grad_enabled() and _needs_grad(a, b, operands):
-        return _Differentiable.apply(keyset, spec, a, b, *operands)
+def _autograd_kernel(keyset, a, b, operands, spec, out=None):
+    """Both overloads' Autograd kernel (``out`` given: the ``out=`` one)."""
+    if torch._C.is_grad_enabled() and (_needs_grad(a, b, operands) or (out is not None and out.requires_grad)):
+        if out is None:
+            return _Differentiable.apply(keyset, spec, a, b, *operands)
+        raise LoweringError(
+            "functions with out=... arguments don't support automatic differentiation, "
+            "but one of the arguments requires grad", where=OUT_NAME,
+            hint="call it under torch.no_grad() or torch.inference_mode(), or call the functional op",
+        )
     raw = keyset.raw_repr()
     direct = _DIRECT.get(raw)
     if direct is None:
         direct = _DIRECT[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DIRECT_BACKENDS
     if direct:
-        return _fused_gemm_epilogue(a, b, operands, spec)  # what the redispatch would reach, one trip fewer
+        return _fused_gemm_epilogue(a, b, operands, spec, out)  # what the redispatch would reach, one trip fewer
     with torch._C._AutoDispatchBelowAutograd():
-        return fused_gemm_epilogue.redispatch(keyset & _AFTER_AUTOGRAD, a, b, operands, spec)
+        if out is None:
+            return fused_gemm_epilogue.redispatch(keyset & _AFTER_AUTOGRAD, a, b, operands, spec)
+        return fused_gemm_epilogue_out.redispatch(keyset & _AFTER_AUTOGRAD, a, b, operands, spec, out=out)
 
 
-_LIB.impl("fused_gemm_epilogue", _autograd_kernel, "Autograd", with_keyset=True)
+for _name in ("fused_gemm_epilogue", "fused_gemm_epilogue.out"):
+    _LIB.impl(_name, _autograd_kernel, "Autograd", with_keyset=True)

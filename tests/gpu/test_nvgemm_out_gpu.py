@@ -27,7 +27,7 @@ from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm import winners as nv_winners
 
 from cuda_graph_gpu_support import lower, no_host_sync, scalar
-from nvgemm_gpu_support import CUTEDSL_OK, GemmConfig, needs_cutedsl
+from nvgemm_gpu_support import GemmConfig, needs_cutedsl
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -199,19 +199,39 @@ def test_a_result_needed_twice_is_written_once_and_copied_once(impl, only, monke
         _check_every_branch(m, program, x, wb)
 
 
-def test_out_overload_into_a_captured_buffer_matches_the_functional_op(only):
-    """Outside the lowering: ``.out`` captured by torch.cuda.graph into a buffer
-    made before the capture, for a tuned shape, replays what the functional op computes."""
-    _, spec, _ = IMPLS["cublas:addmm"]
-    only("cublas:addmm")
+def _captured_kernels(fn) -> tuple[int, torch.cuda.CUDAGraph]:
+    """Capture ``fn()`` with torch.cuda.graph; its kernel node count and the graph (instantiated)."""
+    from cuda.bindings import driver
+
+    from branchyard.lowering.cuda_graph.conditional_nodes import count_graph_nodes
+
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    count = count_graph_nodes(driver.CUgraph(graph.raw_cuda_graph()), {})
+    graph.instantiate()
+    return count.by_type.get("KERNEL", 0), graph
+
+
+@pytest.mark.parametrize("impl", ["cublas:addmm", "cublaslt:_addmm_activation",
+                                  pytest.param("cutedsl", marks=needs_cutedsl)])
+def test_out_overload_captured_by_torch_writes_the_buffer_with_no_copy(impl, only):
+    """Outside the lowering: ``.out`` captured by torch.cuda.graph into a buffer made
+    before the capture (a tuned shape) is one kernel node fewer than the functional
+    op followed by ``copy_``, and both replay what the functional op computes."""
+    _, spec, _ = IMPLS[impl]
+    only(impl)
     x, wb = _params(3)
     FUSED(x, wb[0], [wb[1]], spec)  # warm-up: tunes
     torch.cuda.synchronize()
-    buf = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        OUT(x, wb[0], [wb[1]], spec, out=buf)
+    direct, copied = (torch.empty(M, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    n_direct, g_direct = _captured_kernels(lambda: OUT(x, wb[0], [wb[1]], spec, out=direct))
+    n_copied, g_copied = _captured_kernels(lambda: copied.copy_(FUSED(x, wb[0], [wb[1]], spec)))
+    assert n_direct == n_copied - 1, (n_direct, n_copied)
     x.copy_(_params(4)[0])
-    graph.replay()
+    g_direct.replay()
+    g_copied.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(buf.float(), FUSED(x, wb[0], [wb[1]], spec).float(), **TOL)
+    want = FUSED(x, wb[0], [wb[1]], spec).float()
+    for buf in (direct, copied):
+        torch.testing.assert_close(buf.float(), want, **TOL)

@@ -13,7 +13,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx

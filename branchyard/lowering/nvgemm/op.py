@@ -22,7 +22,7 @@ buffer without a copy node)::
 computed straight into ``out`` where it is a 16-byte aligned row-major buffer
 of the output's shape that no input overlaps (else into a temporary, then
 copied). As with ATen's out= ops: an ``out`` of another shape is resized (with
-ATen's deprecation warning unless it is empty), one of another dtype or device
+a warning, as ATen warns, unless it is empty), one of another dtype or device
 is an error, and no argument may require grad while grad mode is on. The op is
 defined with ``torch.library`` (a backend kernel, a fake implementation and an
 Autograd kernel), so programs that contain it still export, save/load
@@ -435,7 +435,7 @@ def _unfused(a, b, operands, spec: EpilogueSpec, out: torch.Tensor | None) -> to
 
 def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse an ``out`` of another dtype or device; resize one of another shape
-    as ATen's out= ops do (silently when it is empty, else with ATen's warning)."""
+    as ATen's out= ops do (silently when it is empty, else with a warning)."""
     if out.dtype != dtype:
         raise LoweringError(f"out has dtype {out.dtype}; expected {dtype} (the spec's out dtype)", where=OUT_NAME,
                             hint="pass an out tensor of the result's dtype, or call the functional op")
@@ -447,7 +447,8 @@ def _check_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torc
 
 
 def _resize_out(out: torch.Tensor, shape: tuple) -> None:
-    """ATen's ``resize_output``: resize, warning when ``out`` had elements (deprecated in ATen)."""
+    """What ATen's ``resize_output`` does: resize, warning when ``out`` had elements (deprecated
+    there). Written here rather than called, so fake tensors (``torch.compile``) run it too."""
     if out.numel():
         warnings.warn(
             f"{OUT_NAME}: an output with one or more elements was resized since it had shape "

@@ -3,9 +3,10 @@
 The kernel against a float64 reference for every epilogue table row, bfloat16
 and float16, M in {1, 2, 7, 16, 64} (and M past one CTA's rows), several
 (N, K) including the 4096 x 14336 weight; every valid config (``unroll`` 1, 2
-and 4 among them), the unrolled ones at every M block boundary and at K step
-counts that leave each warp 0 .. U-1 single steps after its groups; every
-epilogue row again through an unrolled config; the op's tuner racing them all; and bad inputs (non-contiguous or [K, N] weights, fp32
+and 4, ``rows`` 16 and 32 among them), the variants at every M block boundary,
+at K step counts that leave each warp 0 .. U-1 single steps after its groups
+and at one CTA of weight rows; every epilogue row again through the deepest
+unroll and a 32-row config; the op's tuner racing them all; and bad inputs (non-contiguous or [K, N] weights, fp32
 or mixed dtypes, M = 0, K / N off the alignment, CPU tensors) going to the
 unfused path or to another kernel, never to a wrong number. Outputs are
 poisoned (NaN) before each launch so that an element the kernel fails to
@@ -140,24 +141,25 @@ def test_other_output_dtypes(out: str) -> None:
 
 def _valid_configs() -> list[GemvConfig]:
     out = []
-    for b in (8, 16, 32, 64):
-        for u in (1, 2, 4):
-            for w in (4, 8, 16):
-                try:
-                    out.append(GemvConfig(b, w, u))
-                except LoweringError:  # more registers than fit
-                    pass
+    for r in (16, 32):
+        for b in (8, 16, 32, 64):
+            for u in (1, 2, 4):
+                for w in (4, 8, 16):
+                    try:
+                        out.append(GemvConfig(b, w, u, r))
+                    except LoweringError:  # more registers than fit
+                        pass
     return out
 
 
 ALL_CONFIGS = _valid_configs()
-UNROLLED = [c for c in ALL_CONFIGS if c.unroll > 1]
+VARIANTS = [c for c in ALL_CONFIGS if (c.unroll, c.rows) != (1, 16)]
 
 
 def test_every_listed_config_is_among_the_tested():
     listed = {c for m in range(1, 65) for c in small_m_configs(m, 4096, 4096)}
     assert listed <= set(ALL_CONFIGS) and {c.unroll for c in ALL_CONFIGS} == {1, 2, 4}
-    assert len(UNROLLED) == 12
+    assert {c.rows for c in listed} == {16, 32} and len(VARIANTS) == 25
 
 
 @needs_cutedsl
@@ -170,18 +172,20 @@ def test_every_config_at_ragged_m(config: GemvConfig, m: int) -> None:
     _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} {config.name}")
 
 
-# (N, K): one CTA and one K step (only warp 0 works, in the single-step loop); 3 steps;
-# 21 and 67 steps (groups, then 1 .. U-1 single steps for some warps); the issue's weight.
-UNROLL_NK = [(16, 64), (48, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
+# (N, K): one CTA of the config's rows and one K step (only warp 0 works, in the
+# single-step loop); 3 steps; 21 and 67 steps (groups, then 1 .. U-1 single steps for
+# some warps); the issue's weight.
+def _variant_nk(config: GemvConfig) -> list[tuple[int, int]]:
+    return [(config.rows, 64), (3 * config.rows, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
 
 
 @needs_cutedsl
-@pytest.mark.parametrize("config", UNROLLED, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64])
-def test_unrolled_configs_at_every_k_remainder(config: GemvConfig, m: int) -> None:
+def test_variants_at_every_k_remainder(config: GemvConfig, m: int) -> None:
     spec = _spec("bias@0;silu;residual@1", "bfloat16")
     failures = []
-    for n, k in UNROLL_NK:
+    for n, k in _variant_nk(config):
         a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
         try:
             _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
@@ -190,16 +194,26 @@ def test_unrolled_configs_at_every_k_remainder(config: GemvConfig, m: int) -> No
     assert not failures, "\n".join(failures)
 
 
+def _variant(kind: str, m: int) -> GemvConfig:
+    """The deepest unroll the tuner lists for this M, or its unrolled 32-row config."""
+    listed = small_m_configs(m, 4096, 4096)
+    if kind == "u4":
+        return max(listed, key=lambda c: c.unroll)
+    return next(c for c in listed if c.rows == 32 and c.unroll == 2)
+
+
 @needs_cutedsl
+@pytest.mark.parametrize("kind", ["u4", "u2_r32"])
 @pytest.mark.parametrize("m", [1, 16])
 @pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c or "plain")
-def test_every_epilogue_through_an_unrolled_config(chain: str, m: int) -> None:
-    """The epilogue after the unrolled loop: the deepest unroll the tuner lists for this M."""
+def test_every_epilogue_through_a_variant(chain: str, m: int, kind: str) -> None:
     spec = _spec(chain, "bfloat16")
-    config = max(small_m_configs(m, 4096, 4096), key=lambda c: c.unroll)
-    assert config.unroll == 4
+    config = _variant(kind, m)
+    assert config.name.endswith(kind)
     failures = []
     for n, k in NK:
+        if n % config.rows:
+            continue
         a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
         try:
             _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")

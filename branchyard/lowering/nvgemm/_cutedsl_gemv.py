@@ -27,6 +27,11 @@ at a time, as with U = 1::
     for s in range(w, K/64 - (U-1) warps, U warps):   loads of U steps; MMAs of U steps
     for s in range(rest, K/64, warps):               one step (U = 1's loop)
 
+With ``GemvConfig.rows = 32`` a CTA owns two 16-row weight tiles (output
+columns n0 .. n0+31): a lane loads rows g, g+8, g+16, g+24, and each input
+fragment it loads feeds both tiles' MMAs, so the input bytes per weight byte
+halve (at M = 16 they equal the weight's otherwise).
+
 Which K a lane's register holds need not be the K the MMA "thinks" it is: a
 dot product is the same in any order of K, as long as both operands use the
 same order. The MMA pairs A's and B's k-slots 2t, 2t+1, 2t+8, 2t+9 inside lane
@@ -136,13 +141,15 @@ def build_gemv_class() -> type:
             self.m_block = config.m_block
             self.unroll = config.unroll
             self.n_mma = config.m_block // 8  # MMAs (8 input rows each) per k16 step
+            self.tiles = config.rows // GEMV_ROWS  # 16-row weight tiles per CTA (MMAs per input block)
+            self.n_acc = self.tiles * self.n_mma  # accumulator fragments: acc[tile * n_mma + j]
 
         # ------------------------------------------------------------------ host
         @cute.jit
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, stream):
             op = cute.nvgpu.warp.MmaF16BF16Op(mA.element_type, cutlass.Float32, (16, 8, 16))
             tiled_mma = cute.make_tiled_mma(op)
-            row_groups = mB.shape[0] // GEMV_ROWS
+            row_groups = mB.shape[0] // (GEMV_ROWS * self.tiles)
             m_groups = (mC.shape[0] + self.m_block - 1) // self.m_block
             # U > 1: ``.minnctapersm 1`` -- without it ptxas, aiming at a higher occupancy, sinks
             # the later steps' loads below the first step's MMAs, and one step is in flight again.
@@ -165,12 +172,12 @@ def build_gemv_class() -> type:
             g = lane // 4
             t = lane % 4
             m_last = mC.shape[0] - 1
-            row0 = bidx * GEMV_ROWS
+            row0 = bidx * (GEMV_ROWS * self.tiles)
             m0 = bidy * self.m_block
 
             smem = cutlass.utils.SmemAllocator()
             # One slot per (lane, accumulator, warp): lane fastest, so the writes do not conflict.
-            partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((32, 4 * self.n_mma, self.warps)), 16)
+            partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((32, 4 * self.n_acc, self.warps)), 16)
 
             ab = mA.element_type
             # Register fragments as plain compact tensors of the MMA's partition shapes
@@ -178,15 +185,16 @@ def build_gemv_class() -> type:
             acc_shape = tiled_mma.partition_shape_C((16, 8))
             a_shape = tiled_mma.partition_shape_A((16, 16))
             b_shape = tiled_mma.partition_shape_B((8, 16))
-            acc = [cute.make_rmem_tensor(acc_shape, cutlass.Float32) for _ in range(self.n_mma)]
-            a_frag = [cute.make_rmem_tensor(a_shape, ab) for _ in range(4)]
+            acc = [cute.make_rmem_tensor(acc_shape, cutlass.Float32) for _ in range(self.n_acc)]
+            a_frag = [[cute.make_rmem_tensor(a_shape, ab) for _ in range(4)] for _ in range(self.tiles)]
             b_frag = [[cute.make_rmem_tensor(b_shape, ab) for _ in range(4)] for _ in range(self.n_mma)]
-            # w_bufs[u][2 * half + c]: weight row g + 8 * half, chunk c (0: 8t, 1: 32 + 8t) of
-            # the u-th step in flight; x_bufs[u][j][c]: input rows m0 + 8 j + g, chunk c.
-            w_bufs = [[cute.make_rmem_tensor((1, chunk), ab) for _ in range(4)] for _ in range(self.unroll)]
+            # w_bufs[u][4 * tile + 2 * half + c]: weight row 16 tile + g + 8 half, chunk c (0: 8t,
+            # 1: 32 + 8t) of the u-th step in flight; x_bufs[u][j][c]: input rows m0 + 8 j + g, chunk c.
+            w_bufs = [[cute.make_rmem_tensor((1, chunk), ab) for _ in range(4 * self.tiles)]
+                      for _ in range(self.unroll)]
             x_bufs = [[[cute.make_rmem_tensor((1, chunk), ab) for _ in range(2)] for _ in range(self.n_mma)]
                       for _ in range(self.unroll)]
-            w_rows = [row0 + g, row0 + g + 8]
+            w_rows = [row0 + GEMV_ROWS * i + g + 8 * half for i in range(self.tiles) for half in range(2)]
             x_rows = [cutlass.min(m0 + 8 * i + g, m_last) for i in range(self.n_mma)]
             self._zero(acc)
 
@@ -232,44 +240,51 @@ def build_gemv_class() -> type:
             first = step * chunks_per_step + t
             for c in range(2):
                 col = first + 4 * c
-                for half in range(2):
-                    cute.autovec_copy(cute.local_tile(mB, (1, chunk), (w_rows[half], col)), w_buf[2 * half + c])
+                for i in range(self.tiles):
+                    for half in range(2):
+                        cute.autovec_copy(cute.local_tile(mB, (1, chunk), (w_rows[2 * i + half], col)),
+                                          w_buf[4 * i + 2 * half + c])
                 for j in range(self.n_mma):
                     cute.autovec_copy(cute.local_tile(mA, (1, chunk), (x_rows[j], col)), x_buf[j][c])
 
         def _mma(self, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf):
             """One loaded step into the fragments (see the module doc) and its 4 x n_mma MMAs."""
             for p in places:
-                a_frag[p.kk][p.a_lo] = w_buf[p.c][p.off]  # weight row g
-                a_frag[p.kk][p.a_hi] = w_buf[2 + p.c][p.off]  # weight row g + 8
+                for i in range(self.tiles):
+                    a_frag[i][p.kk][p.a_lo] = w_buf[4 * i + p.c][p.off]  # weight row 16 i + g
+                    a_frag[i][p.kk][p.a_hi] = w_buf[4 * i + 2 + p.c][p.off]  # weight row 16 i + g + 8
                 for j in range(self.n_mma):
                     b_frag[j][p.kk][p.s] = x_buf[j][p.c][p.off]
             for kk in range(4):
-                for j in range(self.n_mma):
-                    cute.gemm(tiled_mma, acc[j], a_frag[kk][None, None, 0], b_frag[j][kk][None, None, 0], acc[j])
+                for i in range(self.tiles):
+                    for j in range(self.n_mma):
+                        a = i * self.n_mma + j
+                        cute.gemm(tiled_mma, acc[a], a_frag[i][kk][None, None, 0], b_frag[j][kk][None, None, 0],
+                                  acc[a])
 
         def _stash(self, partial, acc, lane, warp):
-            for j in range(self.n_mma):
+            for a in range(self.n_acc):
                 for v in range(4):
-                    partial[lane, 4 * j + v, warp] = acc[j][v]
+                    partial[lane, 4 * a + v, warp] = acc[a][v]
 
         def _reduce_and_store(self, partial, mC, operands, lane, g, t, row0, m0):
             """Warp 0: sum the warps' partial accumulators, run the epilogue, store the rows below M."""
             m_last = mC.shape[0] - 1
             n_last = mC.shape[1] - 1
-            vals = cute.make_rmem_tensor((4 * self.n_mma,), cutlass.Float32)
+            vals = cute.make_rmem_tensor((4 * self.n_acc,), cutlass.Float32)
             coords = []
-            for j in range(self.n_mma):
+            for a in range(self.n_acc):
+                tile, j = divmod(a, self.n_mma)
                 for v in range(4):
-                    total = partial[lane, 4 * j + v, 0]
+                    total = partial[lane, 4 * a + v, 0]
                     for w in range(1, self.warps):
-                        total = total + partial[lane, 4 * j + v, w]
-                    vals[4 * j + v] = total
+                        total = total + partial[lane, 4 * a + v, w]
+                    vals[4 * a + v] = total
                     row, col = accumulator_coords(v, g, t)
-                    coords.append((m0 + 8 * j + row, row0 + col))
+                    coords.append((m0 + 8 * j + row, row0 + GEMV_ROWS * tile + col))
             if len(self.steps) > 0:
                 apply_steps(self.steps, None, vals, coords, None, None, operands, m_last, n_last)
-            for i in range(4 * self.n_mma):
+            for i in range(4 * self.n_acc):
                 row, col = coords[i]
                 self._store(mC, vals[i], row, col, m_last)
 

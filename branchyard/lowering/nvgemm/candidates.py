@@ -4,7 +4,8 @@ way this library knows to run a matmul + epilogue chain.
 ==================================  ============================================================
 ``cutedsl:gemv_m<rows>_w<warps>``   our small-M kernel (M <= 64, an ``[N, K]`` weight), one per
                                     config (:func:`~.kernel_config.small_m_configs`; ``_u<U>``
-                                    appended for the configs that load U K steps at a time)
+                                    appended for the configs that load U K steps at a time,
+                                    ``_r32`` for those with 32 weight rows per CTA)
 ``cutedsl:<config>``                our fused kernel, one per tile config (:mod:`.cutedsl_gemm`)
 ``cutlass_plain+epilogue``          cutlass-operators' plain GEMM, then the chain as ATen ops
 ``cublaslt:_addmm_activation``      cuBLASLt's fused bias + ReLU / GELU(tanh), when that is the chain
@@ -367,9 +368,9 @@ def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     return impl
 
 
-def _small_m_applies(problem: Problem) -> str | None:
+def _small_m_applies(problem: Problem, rows: int = 16) -> str | None:
     return small_m_ineligibility(problem.m, problem.n, problem.k, problem.dtype, problem.b_layout,
-                                 problem.spec.out_dtype)
+                                 problem.spec.out_dtype, rows)
 
 
 def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
@@ -385,7 +386,8 @@ def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
     if limit:
         configs, small = configs[: max(1, int(limit))], small[: max(1, int(limit))]
     return [
-        Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c), _small_m_applies) for c in small
+        Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c),
+                  functools.partial(_small_m_applies, rows=c.rows)) for c in small
     ] + [
         Candidate(f"cutedsl:{c.name}", functools.partial(_cutedsl_build, config=c)) for c in configs
     ]

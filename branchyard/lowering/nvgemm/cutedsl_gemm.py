@@ -72,6 +72,7 @@ from branchyard.lowering.nvgemm.environment import package_version
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
 from branchyard.lowering.nvgemm.kernel_cache import KernelCache, default_kernel_cache
 from branchyard.lowering.nvgemm.kernel_config import (
+    GEMV_K_STEP,
     KERNEL_DTYPES,
     OPERAND_DTYPES,
     GemmConfig,
@@ -278,6 +279,8 @@ class _FusedGemm:
         self.config = config
         self.num_operands = count
         self.kernel_cache = kernel_cache
+        # The small-M kernel covers N in whole CTAs of config.rows weight rows and K in 64-wide steps.
+        self.nk_multiple = (config.rows, GEMV_K_STEP) if isinstance(config, GemvConfig) else (1, 1)
 
     def variant(self, operand_dtypes: tuple[str, ...]) -> Any:
         """The compiled kernel for these operand dtypes: from this process's
@@ -329,6 +332,12 @@ class _FusedGemm:
                 where="fused gemm launch",
             )
         b_nk = b_kn.t()  # the kernel reads B as (N, K)
+        if b_nk.shape[0] % self.nk_multiple[0] or b_nk.shape[1] % self.nk_multiple[1]:
+            raise LoweringError(
+                f"N={b_nk.shape[0]}, K={b_nk.shape[1]}: the small-M kernel {self.config.name} needs N a multiple "
+                f"of {self.nk_multiple[0]} and K of {self.nk_multiple[1]}",
+                where="fused gemm launch",
+            )
         unit = 1 if self.b_layout == "nk" else 0
         if b_nk.stride(unit) != 1 or a.stride(1) != 1 or out.stride(1) != 1:
             raise LoweringError(

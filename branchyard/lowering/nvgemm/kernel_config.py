@@ -378,6 +378,7 @@ GEMV_K_STEP = 64
 _GEMV_M_BLOCKS = (8, 16, 32, 64)
 _GEMV_WARPS = (4, 8, 16)
 _GEMV_UNROLLS = (1, 2, 4)
+_GEMV_ROWS_PER_CTA = (16, 32)
 #: 32-bit registers per SM and per thread (sm_90).
 _SM_REGISTERS = 65536
 _MAX_THREAD_REGISTERS = 255
@@ -393,21 +394,25 @@ class GemvConfig:
     K between them (more warps: more loads in flight per CTA for narrow N);
     ``unroll`` K steps (1, 2 or 4) whose loads a warp issues before it waits
     for any of them: U x 2 KiB of weight in flight per warp instead of 2 KiB,
-    each step in its own register buffers. U > 1 is allowed only where the
-    :attr:`registers` estimate fits one thread (255) and the CTA fits an SM's
-    register file (so it launches, and ptxas need not spill)::
+    each step in its own register buffers; ``rows`` weight rows per CTA (16,
+    one m16n8k16 tile, or 32: two tiles sharing each loaded input fragment, so
+    a warp loads half the input bytes per weight byte; N must then be a
+    multiple of 32). Configs other than U = 1, 16 rows are allowed only where
+    the :attr:`registers` estimate fits one thread (255) and the CTA fits an
+    SM's register file (so it launches, and ptxas need not spill)::
 
-        >>> GemvConfig(16, 8, 4).name, GemvConfig(16, 8, 1).name
-        ('gemv_m16_w8_u4', 'gemv_m16_w8')
+        >>> GemvConfig(16, 8, 4).name, GemvConfig(16, 8, 1).name, GemvConfig(16, 8, 2, rows=32).name
+        ('gemv_m16_w8_u4', 'gemv_m16_w8', 'gemv_m16_w8_u2_r32')
         >>> GemvConfig(64, 8, 2)
         Traceback (most recent call last):
         ...
-        branchyard.errors.LoweringError: GemvConfig: invalid GemvConfig: unroll=2 with m_block=64, warps=8 needs about 312 registers per thread; at most 255 fit
+        branchyard.errors.LoweringError: GemvConfig: invalid GemvConfig: unroll=2, rows=16 with m_block=64, warps=8 needs about 312 registers per thread; at most 255 fit
     """
 
     m_block: int = 16
     warps: int = 8
     unroll: int = 1
+    rows: int = GEMV_ROWS
 
     def __post_init__(self) -> None:
         problems = []
@@ -417,9 +422,13 @@ class GemvConfig:
             problems.append(f"warps={self.warps} (must be one of {_GEMV_WARPS})")
         if self.unroll not in _GEMV_UNROLLS:
             problems.append(f"unroll={self.unroll} (must be one of {_GEMV_UNROLLS})")
-        elif not problems and self.unroll > 1 and self.registers > self.register_cap:
-            problems.append(f"unroll={self.unroll} with m_block={self.m_block}, warps={self.warps} needs about "
-                            f"{self.registers} registers per thread; at most {self.register_cap} fit")
+        if self.rows not in _GEMV_ROWS_PER_CTA:
+            problems.append(f"rows={self.rows} (must be one of {_GEMV_ROWS_PER_CTA})")
+        base = (self.unroll, self.rows) == (1, GEMV_ROWS)  # the kernel's first form, always allowed
+        if not problems and not base and self.registers > self.register_cap:
+            problems.append(f"unroll={self.unroll}, rows={self.rows} with m_block={self.m_block}, "
+                            f"warps={self.warps} needs about {self.registers} registers per thread; "
+                            f"at most {self.register_cap} fit")
         if problems:
             raise LoweringError("invalid GemvConfig: " + "; ".join(problems), where="GemvConfig")
 
@@ -430,15 +439,16 @@ class GemvConfig:
 
     @property
     def registers(self) -> int:
-        """Estimated 32-bit registers per thread: per K step in flight, 16 for the two
-        weight rows' 2 x 16 bytes and 8 per 8 input rows, and 24 + 2 per input row of
-        accumulators, fragments and addresses (ptxas 13.0 used 80 / 121 / 168 where this
-        says 88 / 120 / 184 for m8 U2, m16 U2, m32 U2).
+        """Estimated 32-bit registers per thread: per K step in flight, 16 per 16-row
+        weight tile (two rows' 2 x 16 bytes) and 8 per 8 input rows, and 24 + 2 per
+        input row and tile of accumulators, fragments and addresses (ptxas 13.0 used
+        94 / 124 / 168 where this says 88 / 120 / 184 for m8 U2, m16 U2, m32 U2).
 
-            >>> GemvConfig(16, 8, 2).registers
-            120
+            >>> GemvConfig(16, 8, 2).registers, GemvConfig(16, 8, 2, rows=32).registers
+            (120, 184)
         """
-        return self.unroll * (16 + self.m_block) + 24 + 2 * self.m_block
+        tiles = self.rows // GEMV_ROWS
+        return self.unroll * (16 * tiles + self.m_block) + 24 + 2 * self.m_block * tiles
 
     @property
     def register_cap(self) -> int:
@@ -447,45 +457,53 @@ class GemvConfig:
 
     @property
     def name(self) -> str:
-        """Short stable name (the candidate is ``cutedsl:<name>``); ``_u<U>`` only for U > 1,
-        so U = 1 keeps the name its winners were recorded under."""
-        return f"gemv_m{self.m_block}_w{self.warps}" + (f"_u{self.unroll}" if self.unroll > 1 else "")
+        """Short stable name (the candidate is ``cutedsl:<name>``); ``_u<U>`` only for U > 1 and
+        ``_r<rows>`` only for 32 rows, so the first form keeps the names its winners were recorded under."""
+        return (f"gemv_m{self.m_block}_w{self.warps}" + (f"_u{self.unroll}" if self.unroll > 1 else "")
+                + (f"_r{self.rows}" if self.rows != GEMV_ROWS else ""))
 
 
 def small_m_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     """The small-M configs worth timing: the smallest ``m_block`` holding M
     (every CTA then reads its weight rows once), with 8, 4 and 16 warps one
-    K step at a time, then the unrolled ones (:data:`_GEMV_UNROLLED`) whose
-    registers fit. Every config runs every N and K that
-    :func:`small_m_ineligibility` allows (a warp's steps left over by the
-    unrolled loop run one at a time).
+    K step at a time, then the variants of :data:`_GEMV_VARIANTS` whose
+    registers fit (the 32-row ones only where N is a multiple of 32). Each
+    config listed runs every K that :func:`small_m_ineligibility` allows (a
+    warp's steps left over by the unrolled loop run one at a time).
 
         >>> [c.name for c in small_m_configs(17, 4096, 4096)]
-        ['gemv_m32_w8', 'gemv_m32_w4', 'gemv_m32_w16', 'gemv_m32_w8_u2', 'gemv_m32_w4_u2']
+        ['gemv_m32_w8', 'gemv_m32_w4', 'gemv_m32_w16', 'gemv_m32_w8_u2', 'gemv_m32_w4_u2', 'gemv_m32_w8_r32']
+        >>> [c.name for c in small_m_configs(17, 4112, 4096)][-1]
+        'gemv_m32_w4_u2'
         >>> [c.name for c in small_m_configs(64, 4096, 4096)]
         ['gemv_m64_w8', 'gemv_m64_w4', 'gemv_m64_w16']
     """
     m_block = next((b for b in _GEMV_M_BLOCKS if b >= m), _GEMV_M_BLOCKS[-1])
     configs = [GemvConfig(m_block, w) for w in (8, 4, 16)]
-    for warps, unroll in _GEMV_UNROLLED:
+    for warps, unroll, rows in _GEMV_VARIANTS:
+        if n % rows:
+            continue
         try:
-            configs.append(GemvConfig(m_block, warps, unroll))
+            configs.append(GemvConfig(m_block, warps, unroll, rows))
         except LoweringError:  # too many registers for this m_block
             continue
     return configs
 
 
-#: (warps, unroll) of the unrolled small-M configs the tuner races, in this order.
-_GEMV_UNROLLED = ((8, 2), (8, 4), (4, 4), (4, 2), (16, 2))
+#: (warps, unroll, rows) of the small-M configs the tuner races after the first form's,
+#: in this order.
+_GEMV_VARIANTS = ((8, 2, 16), (8, 4, 16), (4, 4, 16), (4, 2, 16), (16, 2, 16), (8, 1, 32), (8, 2, 32), (4, 2, 32))
 
 
-def small_m_ineligibility(m: int, n: int, k: int, dtype: Any, b_layout: str, out_dtype: Any = None) -> str | None:
+def small_m_ineligibility(m: int, n: int, k: int, dtype: Any, b_layout: str, out_dtype: Any = None,
+                          rows: int = GEMV_ROWS) -> str | None:
     """Why the small-M kernel does not take this problem, or ``None``.
 
     On top of :func:`layout_ineligibility` (which the op checks for every
     fused kernel): M in 1..:data:`SMALL_M_MAX`, the ``nn.Linear`` weight
     layout (``[N, K]`` row-major, each output column one contiguous weight
-    row), ``N`` a multiple of :data:`GEMV_ROWS`, ``K`` a multiple of
+    row), ``N`` a multiple of ``rows`` (the config's weight rows per CTA,
+    :data:`GEMV_ROWS` or 32), ``K`` a multiple of
     :data:`GEMV_K_STEP`, and a 16-bit or float32 output.
 
         >>> small_m_ineligibility(16, 14336, 4096, "bfloat16", "nk") is None
@@ -505,6 +523,8 @@ def small_m_ineligibility(m: int, n: int, k: int, dtype: Any, b_layout: str, out
                 "(nn.Linear) weight")
     if n < 1 or n % GEMV_ROWS:
         return f"N={n} is not a multiple of {GEMV_ROWS} (one MMA's rows per CTA)"
+    if n % rows:
+        return f"N={n} is not a multiple of {rows} (this config's weight rows per CTA)"
     if k < 1 or k % GEMV_K_STEP:
         return f"K={k} is not a multiple of {GEMV_K_STEP} (one warp's step along K)"
     if out_dtype is not None and dtype_name(out_dtype) not in KERNEL_DTYPES + ("float32",):

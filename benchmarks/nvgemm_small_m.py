@@ -20,9 +20,9 @@ the weight comes from HBM as it does in a decode step):
 * ``small_m``  our small-M kernel, the fastest of its configs (named in ``config``;
                every config's time and any compile error are in the JSON, and
                each config's time is printed under the table, fastest first)
-* ``u1``       the fastest config that loads one K step at a time (``unroll`` 1,
-               the kernel before the unroll knob); ``u1/small_m`` > 1 is what
-               unrolling gained
+* ``base``     the fastest config of the kernel's first form (one K step at a
+               time, 16 weight rows per CTA: ``gemv_m<rows>_w<warps>``);
+               ``base/small_m`` > 1 is what the ``unroll`` / ``rows`` variants gained
 * ``cublas``   ``F.linear`` (cuBLAS, the bias in its epilogue when the chain starts
                with one), the rest of the chain as ATen ops
 * ``unfused``  ``mm`` then one ATen op per step (the program as written)
@@ -65,7 +65,7 @@ from cuda_graph_replay import graph_replay  # noqa: E402
 M_VALUES = (1, 16, 64)
 #: K x N (in_features x out_features) of the weights the issue names.
 WEIGHTS = ("4096x14336", "14336x4096", "1024x4096", "4096x1024", "8192x28672")
-COLUMNS = ("small_m", "u1", "cublas", "unfused", "tuned")
+COLUMNS = ("small_m", "base", "cublas", "unfused", "tuned")
 #: The issue's target: at M <= 16 with a 4096 x 14336 weight, >= 75% of the copy bandwidth.
 TARGET = {"m_max": 16, "weight": "4096x14336", "pct_copy": 75.0}
 
@@ -251,8 +251,8 @@ def run_row(m: int, weight: str, chain: str, *, dtype: torch.dtype, device: torc
         row["errors"]["small_m"] = config_errors
     from branchyard.lowering.nvgemm.kernel_config import small_m_configs
 
-    one_step = [c.name for c in small_m_configs(m, n, k) if c.unroll == 1]
-    row["u1"], row["config_u1"] = best_of(row["configs"], one_step)
+    first_form = [c.name for c in small_m_configs(m, n, k) if (c.unroll, c.rows) == (1, 16)]
+    row["base"], row["config_base"] = best_of(row["configs"], first_form)
     unfused = unfused_impl(spec)
     calls: dict[str, Callable[[], Any]] = {
         "cublas": cublas_call(spec, a, w, ops),
@@ -273,7 +273,7 @@ def run_row(m: int, weight: str, chain: str, *, dtype: torch.dtype, device: torc
         us = row.get(name)
         row[f"{name}_GBps"] = nbytes / (us * 1e-6) / 1e9 if us else None
         row[f"{name}_pct_copy"] = 100 * row[f"{name}_GBps"] / copy_gbps if us else None
-    for name in ("u1", "cublas", "unfused", "tuned"):  # > 1: the small-M kernel is faster
+    for name in ("base", "cublas", "unfused", "tuned"):  # > 1: the small-M kernel is faster
         row[f"{name}_over_small_m"] = row[name] / row["small_m"] if row.get(name) and row["small_m"] else None
     row["configs_pct_copy"] = {c: 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbps for c, us in row["configs"].items()}
     return row
@@ -287,13 +287,13 @@ def _f(x: float | None, spec: str = "{:.1f}") -> str:
 
 
 def report(rows: list[dict], copy_gbps: float, markdown: bool) -> str:
-    head = ["M", "KxN", "small_m us", "GB/s", "%copy", "config", "u1 us", "%copy", "u1/small_m", "cublas us",
+    head = ["M", "KxN", "small_m us", "GB/s", "%copy", "config", "base us", "%copy", "base/small_m", "cublas us",
             "%copy", "unfused us", "tuned us", "%copy", "picked", "cublas/small_m", "tuned/small_m"]
     lines = []
     for r in rows:
         lines.append([str(r["m"]), r["weight"], _f(r.get("small_m")), _f(r.get("small_m_GBps"), "{:.0f}"),
-                      _f(r.get("small_m_pct_copy")), r.get("config") or "-", _f(r.get("u1")),
-                      _f(r.get("u1_pct_copy")), _f(r.get("u1_over_small_m"), "{:.2f}x"), _f(r.get("cublas")),
+                      _f(r.get("small_m_pct_copy")), r.get("config") or "-", _f(r.get("base")),
+                      _f(r.get("base_pct_copy")), _f(r.get("base_over_small_m"), "{:.2f}x"), _f(r.get("cublas")),
                       _f(r.get("cublas_pct_copy")), _f(r.get("unfused")), _f(r.get("tuned")),
                       _f(r.get("tuned_pct_copy")), r.get("picked", "-"), _f(r.get("cublas_over_small_m"), "{:.2f}x"),
                       _f(r.get("tuned_over_small_m"), "{:.2f}x")])

@@ -49,7 +49,7 @@ def test_the_target_line(bench):
     ]
 
 
-def test_each_variant_and_the_one_step_best_are_reported(bench):
+def test_each_variant_and_the_first_forms_best_are_reported(bench):
     times = {"gemv_m8_w8": 40.0, "gemv_m8_w4": 44.0, "gemv_m8_w8_u4": 32.0, "gemv_m8_w4_u2": 36.0}
     assert bench.best_of(times, ["gemv_m8_w8", "gemv_m8_w4", "gemv_m8_w16"]) == (40.0, "gemv_m8_w8")
     assert bench.best_of(times, ["gemv_m8_w16"]) == (None, None)

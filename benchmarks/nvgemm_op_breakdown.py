@@ -1,0 +1,91 @@
+"""Where the fused op's host time goes: each piece of a tuned call timed alone.
+
+Companion of ``nvgemm_op_overhead.py`` (same no-op implementation, so nothing
+launches): the whole call through the dispatcher (``op``), the op's own
+Python (``body``), and the pieces of the body -- the timing-mode lookup, the
+call's key, the plan lookup, the output allocation, the weight view, pointer
+reads -- each in a loop of its own. Also says whether the Autograd kernel
+takes its direct path for these tensors. Microseconds per call, median of 7
+blocks::
+
+    python benchmarks/nvgemm_op_breakdown.py [--device cuda|cpu] [--calls 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import nvgemm_op_overhead  # noqa: E402
+
+
+def _us(fn: Callable[[], Any], calls: int) -> float:
+    for _ in range(200):
+        fn()
+    blocks = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        blocks.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(blocks)
+
+
+def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:
+    """Microseconds per call of each piece, and ``direct``: the Autograd kernel's path."""
+    nvgemm_op_overhead._setup()
+    from branchyard.lowering.nvgemm import op as op_mod
+    from branchyard.lowering.nvgemm.timing import current_timing_mode
+
+    warnings.simplefilter("ignore")
+    dtype = torch.bfloat16
+    a = torch.randn(16, 64, dtype=dtype, device=device)
+    w = torch.randn(128, 64, dtype=dtype, device=device)
+    bias, res = torch.randn(128, dtype=dtype, device=device), torch.randn(16, 128, dtype=dtype, device=device)
+    spec, ops = "w=nk;bias@0;gelu_tanh;residual@1;out=bfloat16", [bias, res]
+    op = torch.ops.branchyard.fused_gemm_epilogue.default
+    with torch.no_grad():
+        op(a, w, ops, spec)  # tunes the no-op candidate
+        tuner = op_mod.tuner_mod._default
+        key = op_mod._signature(a, w, ops, spec, current_timing_mode())
+        call = tuner.call_plans[key]
+        pieces = {
+            "aten_noop": lambda: torch.ops.aten.alias.default(a),
+            "op": lambda: op(a, w, ops, spec),
+            "body": lambda: op_mod._fused_gemm_epilogue(a, w, ops, spec),
+            "timing_mode": current_timing_mode,
+            "signature": lambda: op_mod._signature(a, w, ops, spec, "host"),
+            "plan_lookup": lambda: tuner.call_plans.get(key),
+            "empty_strided": lambda: torch.empty_strided((16, 128), (128, 1), dtype=dtype, device=call.device),
+            "weight_view": lambda: op_mod._weight_kn(call, w, w.data_ptr()),
+            "data_ptr_x3": lambda: (a.data_ptr(), w.data_ptr(), bias.data_ptr()),
+        }
+        got: dict[str, Any] = {name: _us(fn, calls) for name, fn in pieces.items()}
+    got["direct"] = dict(op_mod._DIRECT)
+    return got
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--calls", type=int, default=5000)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    got = measure(args.device, args.calls)
+    print(f"torch {torch.__version__}, tensors on {args.device}; Autograd kernel direct path: {got['direct']}")
+    for name, us in got.items():
+        if name != "direct":
+            print(f"{name:16s} {us:7.2f} us")
+    return got
+
+
+if __name__ == "__main__":
+    main()

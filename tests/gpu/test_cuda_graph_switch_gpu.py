@@ -232,3 +232,38 @@ def test_index_of_a_strided_row_takes_torch_argmax_then_the_set_kernel_steps():
     with no_host_sync():
         _, y = m(zero, x, vs)
     assert torch.equal(y, _reference(branches, ROUTER, x, vs, row))
+
+
+def test_index_source_written_in_place_before_the_switch_is_read_before_the_write():
+    # argmax(v), then v.mul_(-1), then the switch: eager picks by the row before the write, so
+    # the set kernel (which would read v at the switch) must not take the argmax over
+    from branchyard.fx.control_flow import switch as by_switch
+
+    branches = [(lambda k: lambda x: x * 2 - k)(k) for k in range(8)]
+
+    def negating_switch():
+        gm = _indexed_switch(branches, ROUTER)
+        sw = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is by_switch)
+        row = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_before(sw):
+            gm.graph.call_method("mul_", (row, -1))
+        gm.recompile()
+        return gm
+
+    class Body(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sw = negating_switch()
+
+        def forward(self, i, x, vs):
+            return i + 1, self.sw(torch.index_select(vs, 0, i.view(1)).reshape(-1), x)[0]
+
+    program = while_loop_module(lambda i, x, vs: i < vs.shape[0], trace(Body()), num_carried=2, num_additional=1)
+    vs = _rows(torch.float32, ROUTER)
+    x = torch.randn(512, device=DEV)
+    m = lower(program, (scalar(0), x, vs))
+    assert m.graph_nodes.bodies[0].by_type["KERNEL"] > 3, m.graph_nodes.summary()
+    zero = scalar(0)
+    with no_host_sync():
+        _, y = m(zero, x, vs)
+    assert torch.equal(y, _reference(branches, ROUTER, x, vs))

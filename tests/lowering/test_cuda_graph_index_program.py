@@ -151,3 +151,69 @@ def test_router_argmax_leaves_the_inductor_region_for_the_set_kernel():
     assert feeds_only_switch_index(argmax[0], lambda n: n.op == "call_function" and "switch" in str(n.target))
     for trips in (0, 1, 5):
         torch.testing.assert_close(gm(args[0], torch.tensor(trips))[1], model(args[0], torch.tensor(trips))[1])
+
+
+def test_a_write_in_place_between_the_index_and_the_switch_keeps_torch_kernels():
+    """A set kernel reads the index's source at the switch: a write between (``v.mul_``,
+    ``x += 1``, an ``out=``) would change what it reads, so such chains are not deferred."""
+    from branchyard.lowering.cuda_graph.patterns import may_mutate, nothing_mutates_between
+
+    def build(mutate):
+        gm, made = _switch_graph(CHAINS["export"])
+        sw = next(n for n in gm.graph.nodes if _is_switch(n))
+        v = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        if mutate is not None:
+            with gm.graph.inserting_before(sw):
+                mutate(gm.graph, v)
+        gm.recompile()
+        return gm, made, sw
+
+    forms = {
+        "method": lambda g, v: g.call_method("mul_", (v, -1)),
+        "aten": lambda g, v: g.call_function(aten.mul_.Tensor, (v, v)),
+        "operator": lambda g, v: g.call_function(operator.iadd, (v, 1)),
+        "out": lambda g, v: g.call_function(torch.neg, (v,), {"out": v}),
+        "setitem": lambda g, v: g.call_function(operator.setitem, (v, 0, 1.0)),
+    }
+    for name, mutate in forms.items():
+        gm, made, sw = build(mutate)
+        writer = sw.prev
+        assert may_mutate(writer), name
+        assert not nothing_mutates_between(made[0], sw), name
+        assert [feeds_only_switch_index(n, _is_switch) for n in made] == [False] * 3, name
+    # pure ops in between are fine
+    gm, made, sw = build(lambda g, v: g.call_function(aten.mul.Tensor, (v, v)))
+    assert not may_mutate(sw.prev) and [feeds_only_switch_index(n, _is_switch) for n in made] == [True] * 3
+    gm, made, sw = build(lambda g, v: g.call_method("reshape", (v, -1)))
+    assert not may_mutate(sw.prev) and nothing_mutates_between(made[0], sw)
+
+
+def test_may_mutate_looks_into_called_modules():
+    from branchyard.lowering.cuda_graph.patterns import may_mutate
+
+    class Pure(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Writes(torch.nn.Module):
+        def forward(self, x):
+            return x.add_(1)
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pure = torch.fx.symbolic_trace(Pure())
+            self.writes = torch.fx.symbolic_trace(Writes())
+            self.opaque = torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.pure(x) + self.writes(x) + self.opaque(x)
+
+    class Leaves(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return True
+
+    graph = Leaves().trace(Outer())
+    gm = torch.fx.GraphModule(Outer(), graph)
+    calls = {n.target: may_mutate(n) for n in gm.graph.nodes if n.op == "call_module"}
+    assert calls == {"pure": False, "writes": True, "opaque": True}

@@ -46,6 +46,7 @@ from branchyard.lowering.cuda_graph.patterns import (
     feeds_only_switch_index,
     match_comparison,
     match_index_step,
+    nothing_mutates_between,
     out_form,
 )
 
@@ -211,13 +212,16 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def _feeds_only_conditionals(self, n: Node) -> bool:
-        """Whether every use of ``n`` is as a cond predicate or (when deferring) the graph's sole output."""
+        """Whether every use of ``n`` is as a cond predicate or (when deferring) the graph's sole
+        output, with nothing written in place in between (the set kernel compares at the use)."""
         for user in n.users:
             if user.op == "output":
                 outs = user.args[0]
                 if not (self.defer_predicate and (outs is n or (isinstance(outs, (tuple, list)) and list(outs) == [n]))):
                     return False
             elif not (handler_for(user.target) is HANDLERS["cond"] and user.args and user.args[0] is n):
+                return False
+            if not nothing_mutates_between(n, user):
                 return False
         return bool(n.users)
 

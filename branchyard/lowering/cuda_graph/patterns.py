@@ -55,6 +55,8 @@ __all__ = [
     "IndexProgram",
     "INDEX_STEPS",
     "feeds_only_switch_index",
+    "may_mutate",
+    "nothing_mutates_between",
     "match_comparison",
     "match_index_step",
     "match_increment",
@@ -281,10 +283,13 @@ def match_index_step(target: Any, args: tuple, kwargs: dict) -> IndexProgram | N
     return IndexProgram(program.source, program.argmax, program.steps + steps)
 
 
-def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool]) -> bool:
+def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool], _source: Any = None) -> bool:
     """Whether every use of the FX ``node`` is as a switch's index (``is_switch(user)``,
     ``user.args[0] is node``) or as the first operand of an index step that itself
-    feeds only switch indices -- the nodes a set kernel may compute instead."""
+    feeds only switch indices -- the nodes a set kernel may compute instead, at the
+    switch: so nothing between ``node`` and the switch may write a tensor in place
+    (the kernel would read the source after the write)."""
+    source = node if _source is None else _source
     users = list(getattr(node, "users", ()))
     if not users:
         return False
@@ -296,11 +301,58 @@ def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool]) -> bool
         if node in rest:
             return False  # also an operand (of a branch, or a bound)
         if is_switch(user):
+            if not nothing_mutates_between(source, user):
+                return False
             continue
         if not (_hashable(user.target) and INDEX_STEPS.get(user.target) in ("clamp", "remainder")):
             return False
-        if not feeds_only_switch_index(user, is_switch):
+        if not feeds_only_switch_index(user, is_switch, source):
             return False
+    return True
+
+
+# --------------------------------------------------------------------------- deferral is safe
+#: Python operators that write their first operand (``x += y`` on a tensor).
+_INPLACE_OPERATORS = frozenset(getattr(operator, f"i{name}") for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul",
+)) | {operator.setitem, operator.delitem}
+
+
+def may_mutate(node: Any) -> bool:
+    """Whether the FX ``node`` may write a tensor in place (conservative: unknown code may).
+
+    Control-flow operators count as pure: torch requires their bodies not to
+    mutate their inputs, and the lowering's validation runs the same bodies.
+    """
+    if node.op in ("placeholder", "get_attr", "output"):
+        return False
+    if node.kwargs.get("out") is not None:
+        return True
+    target = node.target
+    if node.op == "call_method":
+        return not isinstance(target, str) or target.endswith("_")
+    if node.op == "call_module":
+        sub = node.graph.owning_module.get_submodule(target) if node.graph.owning_module is not None else None
+        graph = getattr(sub, "graph", None) or getattr(getattr(sub, "ops", None), "graph", None)  # InductorRegion.ops
+        return graph is None or any(may_mutate(n) for n in graph.nodes)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    if isinstance(target, torch._ops.HigherOrderOperator) or target is operator.getitem:
+        return False
+    if not _hashable(target) or target in _INPLACE_OPERATORS:
+        return True
+    return getattr(target, "__name__", "").endswith("_")
+
+
+def nothing_mutates_between(first: Any, last: Any) -> bool:
+    """Whether no node strictly between ``first`` and ``last`` (one graph, in order) may
+    write a tensor in place: what a value computed at ``first`` and read at ``last``
+    needs, when a set kernel reads its operands only at ``last``."""
+    node = first.next
+    while node is not last:
+        if node.op == "root" or may_mutate(node):
+            return False
+        node = node.next
     return True
 
 

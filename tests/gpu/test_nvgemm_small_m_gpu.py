@@ -183,9 +183,13 @@ def _variant_nk(config: GemvConfig) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("config", VARIANTS, ids=lambda c: c.name)
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64])
 def test_variants_at_every_k_remainder(config: GemvConfig, m: int) -> None:
-    spec = _spec("bias@0;silu;residual@1", "bfloat16")
+    _check_shapes(_spec("bias@0;silu;residual@1", "bfloat16"), config, m, _variant_nk(config))
+
+
+def _check_shapes(spec, config: GemvConfig, m: int, shapes) -> None:
+    """``config`` against the float64 reference at every ``(N, K)``; every failure is reported."""
     failures = []
-    for n, k in _variant_nk(config):
+    for n, k in shapes:
         a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
         try:
             _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
@@ -210,16 +214,7 @@ def test_every_epilogue_through_a_variant(chain: str, m: int, kind: str) -> None
     spec = _spec(chain, "bfloat16")
     config = _variant(kind, m)
     assert config.name.endswith(kind)
-    failures = []
-    for n, k in NK:
-        if n % config.rows:
-            continue
-        a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
-        try:
-            _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
-        except AssertionError as exc:
-            failures.append(str(exc))
-    assert not failures, "\n".join(failures)
+    _check_shapes(spec, config, m, [(n, k) for n, k in NK if n % config.rows == 0])
 
 
 @needs_cutedsl

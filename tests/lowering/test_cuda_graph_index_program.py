@@ -217,3 +217,76 @@ def test_may_mutate_looks_into_called_modules():
     gm = torch.fx.GraphModule(Outer(), graph)
     calls = {n.target: may_mutate(n) for n in gm.graph.nodes if n.op == "call_module"}
     assert calls == {"pure": False, "writes": True, "opaque": True}
+
+
+def _as_the_kernel_computes(program: IndexProgram) -> int:
+    """branchyard_set_program's arithmetic (int64, Python's %), before the final clamp to the branches."""
+    i = int(torch.argmax(program.source)) if program.argmax else int(program.source)
+    for op, a in program.steps:
+        i = max(i, a) if op == "max" else min(i, a) if op == "min" else i % a
+    return i
+
+
+@pytest.mark.parametrize(
+    "source, steps",
+    [
+        # torch computes remainder(int8, 1000) as mod -24 (the bound wraps to int8): 5 -> -19, not 5
+        (torch.tensor(5, dtype=torch.int8), [(aten.clamp.default, (0, 100)), (aten.remainder.Scalar, (1000,))]),
+        # uint8: -7 wraps to 249, so torch keeps 200 where Python's mod gives -3
+        (torch.tensor(200, dtype=torch.uint8), [(aten.clamp.default, (0, 250)), (aten.remainder.Scalar, (-7,))]),
+        (torch.tensor(-9, dtype=torch.int16), [(aten.remainder.Scalar, (7,)), (aten.remainder.Scalar, (40000,))]),
+    ],
+)
+def test_a_later_step_with_a_bound_the_index_dtype_cannot_hold_is_not_deferred(source, steps):
+    (t0, a0), (t1, a1) = steps
+    p = match_index_step(t0, (source, *a0), {})
+    assert p is not None
+    assert match_index_step(t1, (p, *a1), {}) is None
+    # and whatever is accepted computes what torch computes
+    for bound in (3, -3, 100, -100, 127, -128):
+        q = match_index_step(aten.remainder.Scalar, (p, bound), {})
+        if q is not None:
+            assert _as_the_kernel_computes(q) == int(q.evaluate()), bound
+
+
+def test_an_argmax_index_takes_no_bound_beyond_int64():
+    p = match_index_step(aten.argmax.default, (torch.randn(5),), {})
+    assert match_index_step(aten.remainder.Scalar, (p, 2**64 + 3), {}) is None  # ctypes would pass it as 3
+    assert match_index_step(aten.clamp.default, (p, None, 2**63), {}) is None
+
+
+def _user_code_that_writes(x):  # what torch.fx.wrap leaves as a call_function target
+    x.relu_()
+
+
+def test_writes_by_an_argument_or_a_mutable_op_packet_stop_deferral():
+    """``F.relu(v, inplace=True)`` between ``argmax(v)`` and the switch: eager's argmax read v
+    before the write ([-3, -1, -2] -> 1), a set kernel would read it after ([0, 0, 0] -> 0)."""
+    import torch.nn.functional as F
+
+    from branchyard.lowering.cuda_graph.patterns import may_mutate
+
+    torch.library.define("branchyard_review::write_into", "(Tensor(a!) x) -> ()")
+    forms = {
+        "inplace kwarg": lambda g, v: g.call_function(F.relu, (v,), {"inplace": True}),
+        "inplace positional": lambda g, v: g.call_function(F.relu, (v, True)),
+        "dropout inplace": lambda g, v: g.call_function(F.dropout, (v,), {"training": False, "inplace": True}),
+        "batch_norm stats": lambda g, v: g.call_function(F.batch_norm, (v, v, v), {"training": True}),
+        "builtin batch_norm": lambda g, v: g.call_function(torch.batch_norm, (v, None, None, v, v, True, 0.1, 1e-5, False)),
+        "op packet": lambda g, v: g.call_function(torch.ops.branchyard_review.write_into, (v,)),
+        "wrapped user function": lambda g, v: g.call_function(_user_code_that_writes, (v,)),
+    }
+    for name, mutate in forms.items():
+        gm, made = _switch_graph(CHAINS["export"])
+        sw = next(n for n in gm.graph.nodes if _is_switch(n))
+        v = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_before(sw):
+            mutate(gm.graph, v)
+        assert may_mutate(sw.prev), name
+        assert [feeds_only_switch_index(n, _is_switch) for n in made] == [False] * 3, name
+    g = torch.fx.Graph()
+    v = g.placeholder("v")
+    pure = [g.call_function(F.relu, (v,)), g.call_function(F.relu, (v,), {"inplace": False}),
+            g.call_function(F.batch_norm, (v, None, None)), g.call_function(aten.add, (v, v)),
+            g.call_function(aten.argmax, (v,))]
+    assert [may_mutate(n) for n in pure] == [False] * 5

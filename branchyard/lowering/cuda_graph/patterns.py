@@ -39,8 +39,10 @@ debug level) when a node does not fit; the capture then runs it as torch would.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -272,11 +274,13 @@ def match_index_step(target: Any, args: tuple, kwargs: dict) -> IndexProgram | N
     if isinstance(x, IndexProgram):
         program = x
     elif isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype in DTYPE_CODES and not x.dtype.is_floating_point:
-        info = torch.iinfo(x.dtype)
-        if any(not info.min <= a <= info.max for _, a in steps):
-            return None  # torch would compute in the tensor's dtype: keep its overflow behaviour
         program = IndexProgram(x)
     else:
+        return None
+    # torch computes every step in the index's dtype (argmax: int64) and wraps a bound it
+    # cannot hold (remainder(int8, 1000) is mod -24); the kernel's int64 steps would not.
+    info = torch.iinfo(torch.int64 if program.argmax else program.source.dtype)
+    if any(not info.min <= a <= info.max for _, a in steps):
         return None
     if len(program.steps) + len(steps) > MAX_INDEX_STEPS:
         return None
@@ -337,11 +341,44 @@ def may_mutate(node: Any) -> bool:
         return graph is None or any(may_mutate(n) for n in graph.nodes)
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.is_mutable
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        # torch.ops.lib.op: any overload may be the one called; an .out overload's write is out= (above)
+        return any(a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
+                   for name in target.overloads() for a in getattr(target, name)._schema.arguments)
     if isinstance(target, torch._ops.HigherOrderOperator) or target is operator.getitem:
         return False
     if not _hashable(target) or target in _INPLACE_OPERATORS:
         return True
-    return getattr(target, "__name__", "").endswith("_")
+    if isinstance(target, types.FunctionType) and not (target.__module__ or "").startswith(("torch", "branchyard")):
+        return True  # user code (torch.fx.wrap): unknown
+    return getattr(target, "__name__", "").endswith("_") or _writes_by_argument(target, node.args, node.kwargs)
+
+
+#: Arguments by which a torch function writes in place although its name has no ``_``
+#: (``F.relu(x, inplace=True)``; ``F.batch_norm`` updates its running statistics when training):
+#: argument name -> whether its value (an FX node: unknown) may make the call write.
+_WRITE_ARGUMENTS: dict[str, Callable[[Any], bool]] = {
+    "inplace": lambda v: v is not False,
+    "running_mean": lambda v: v is not None,
+    "running_var": lambda v: v is not None,
+}
+
+
+def _writes_by_argument(target: Any, args: tuple, kwargs: dict) -> bool:
+    if any(name in kwargs and writes(kwargs[name]) for name, writes in _WRITE_ARGUMENTS.items()):
+        return True
+    try:
+        signatures = [inspect.signature(target)]
+    except (TypeError, ValueError):  # a builtin: the TorchScript schemas' signatures
+        signatures = torch.fx.operator_schemas.get_signature_for_torch_op(target) or []
+    for signature in signatures:
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            continue
+        if any(name in bound and writes(bound[name]) for name, writes in _WRITE_ARGUMENTS.items()):
+            return True
+    return False
 
 
 def nothing_mutates_between(first: Any, last: Any) -> bool:

@@ -26,7 +26,8 @@ Semantics of the kernels, as Python (``n`` = number of SWITCH bodies)::
             counter.count = 0 if reset else counter.count + 1
             if v and counter.count >= counter.limit: counter.exhausted, v = True, False
         h = v; h_else = not v                             # h_else: the IF + IF lowering of if/else
-    set_index(h, i, n):      h = min(max(i, 0), n - 1)          # switch clamps (branchyard.fx.control_flow)
+    set_program(h, p, n):    i = argmax(p.source) if p.argmax else p.source; i = p.steps(i)  # IndexProgram
+                             h = min(max(i, 0), n - 1)          # switch clamps (branchyard.fx.control_flow)
     set_onehot(hs, i, n):    hs[k] = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
     copy4(pairs):            dst[:] = src[:] for up to 4 dense (dst, src) pairs, one kernel node
 
@@ -161,13 +162,6 @@ extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGra
     if (has_else) cudaGraphSetConditional(h_else, v ? 0u : 1u);
 }
 
-extern "C" __global__ void branchyard_set_index(cudaGraphConditionalHandle h, const void* index, int dtype,
-                                                long long n) {
-    long long i = by_load_int(index, dtype);
-    i = i < 0 ? 0 : (i >= n ? n - 1 : i);
-    cudaGraphSetConditional(h, (unsigned int)i);
-}
-
 // Reals an argmax reads, by dtype code: 3 float32, 4 float64, 8 bfloat16, 9 float16.
 __device__ __forceinline__ double by_load_real(const void* p, long long i, int dtype) {
     union { unsigned int u; float f; } bits;
@@ -211,7 +205,7 @@ __device__ long long by_argmax(const void* p, int dtype, long long len) {
 // A switch index computed here instead of by torch kernels (IndexProgram in Python):
 // i = argmax(src[0:len]) or the integer *src, then up to four steps on int64 --
 // 1 max(i, a) (clamp's min), 2 min(i, a) (clamp's max), 3 Python's i % a (the sign of a) --
-// then the handle gets clamp(i, 0, n - 1) like branchyard_set_index.
+// then the handle gets clamp(i, 0, n - 1) (no argmax, no steps: a switch's plain index).
 extern "C" __global__ void branchyard_set_program(cudaGraphConditionalHandle h, const void* src, int dtype,
                                                   long long len, int argmax, int nsteps,
                                                   int op0, long long a0, int op1, long long a1,
@@ -255,7 +249,6 @@ extern "C" __global__ void branchyard_copy4(int count, BY_COPY4_PARAMS) {
 
 SET_KERNEL_NAMES = (
     "branchyard_step",
-    "branchyard_set_index",
     "branchyard_set_program",
     "branchyard_set_onehot",
     "branchyard_copy4",
@@ -496,13 +489,9 @@ class ConditionalBuilder:
 
     def set_from_index(self, handle: Any, index: torch.Tensor, n: int) -> None:
         """Capture a set kernel: ``handle = clamp(index, 0, n - 1)`` (any integer dtype)."""
-        code = self._check_index(index)
-        self._launch(
-            "branchyard_set_index",
-            (int(handle), index.data_ptr(), code, n),
-            (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong),
-        )
-        self._keepalive.append(index)
+        from branchyard.lowering.cuda_graph.patterns import IndexProgram
+
+        self.set_from_program(handle, IndexProgram(index), n)
 
     def set_from_program(self, handle: Any, program: "IndexProgram", n: int) -> None:
         """Capture ONE set kernel: ``handle = clamp(program, 0, n - 1)``, the program's

@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from branchyard.errors import BranchyardError, LoweringError, UnsupportedGraphError
-from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handler_for
+from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handler_for, is_switch_node
 from branchyard.lowering.cuda_graph.patterns import (
     COMPARISONS,
     INDEX_STEPS,
@@ -84,10 +84,6 @@ def _in(target: Any, table: dict) -> bool:
         return target in table
     except TypeError:  # unhashable target
         return False
-
-
-def _is_switch(n: Node) -> bool:
-    return n.op == "call_function" and handler_for(n.target) is HANDLERS["switch"]
 
 
 def _is_rng(op: str, target: Any) -> bool:
@@ -238,13 +234,13 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                     self.ctx.keepalive.append(deferred)
                     return deferred
         if self.ctx.phase is Phase.CAPTURE and n.op == "call_function":
-            if _in(n.target, INDEX_STEPS) and feeds_only_switch_index(n, _is_switch):
+            if _in(n.target, INDEX_STEPS) and feeds_only_switch_index(n, is_switch_node):
                 args, kwargs = self.fetch_args_kwargs_from_env(n)
                 program = match_index_step(n.target, args, kwargs)
                 if program is not None:
                     self.ctx.keepalive.append(program)
                     return program
-            if not _is_switch(n):
+            if not is_switch_node(n):
                 self._materialize_index_programs(n)
         try:
             result = super().run_node(n)

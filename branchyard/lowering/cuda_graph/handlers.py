@@ -56,7 +56,7 @@ from branchyard.lowering.cuda_graph.patterns import IndexProgram
 if TYPE_CHECKING:  # pragma: no cover
     from branchyard.lowering.cuda_graph.capture import ControlFlowInterpreter
 
-__all__ = ["ControlFlowHandler", "HANDLERS", "handler_for", "switch", "TensorMeta"]
+__all__ = ["ControlFlowHandler", "HANDLERS", "handler_for", "is_switch_node", "switch", "TensorMeta"]
 
 
 @dataclass(frozen=True)
@@ -445,3 +445,8 @@ def handler_for(target: Any) -> ControlFlowHandler | None:
     except TypeError:  # unhashable target
         return None
     return HANDLERS[alias] if alias else None
+
+
+def is_switch_node(node: Any) -> bool:
+    """Whether the FX ``node`` calls a switch (torch's operator or branchyard's stand-in)."""
+    return node.op == "call_function" and handler_for(node.target) is HANDLERS["switch"]

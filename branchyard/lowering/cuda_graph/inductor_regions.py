@@ -101,7 +101,7 @@ class _Fusable(OperatorSupportBase):
 def _set_kernel_argmax(node: Node) -> bool:
     """An ``argmax`` of at most :data:`~.patterns.MAX_ARGMAX_ELEMENTS` elements whose
     result feeds only switch indices: the switch's set kernel computes it."""
-    from branchyard.lowering.cuda_graph.handlers import HANDLERS, handler_for
+    from branchyard.lowering.cuda_graph.handlers import is_switch_node
     from branchyard.lowering.cuda_graph.patterns import INDEX_STEPS, MAX_ARGMAX_ELEMENTS, feeds_only_switch_index
 
     if INDEX_STEPS.get(node.target) != "argmax" or not node.args or not isinstance(node.args[0], Node):
@@ -110,7 +110,7 @@ def _set_kernel_argmax(node: Node) -> bool:
     numel = src.numel() if isinstance(src, torch.Tensor) else None
     if not isinstance(numel, int) or numel > MAX_ARGMAX_ELEMENTS:
         return False  # symbolic or large: Inductor's reduction is the better kernel
-    return feeds_only_switch_index(node, lambda n: handler_for(n.target) is HANDLERS["switch"])
+    return feeds_only_switch_index(node, is_switch_node)
 
 
 def _fuse_one(gm: GraphModule) -> int:

@@ -408,9 +408,9 @@ def match_increment(node: Any, of: Any) -> int | None:
     if node.kwargs or len(node.args) != 2:
         return None
     a, b = node.args
-    if a is of and isinstance(b, int) and not isinstance(b, bool):
+    if a is of and _int(b):
         return b
-    if b is of and isinstance(a, int) and not isinstance(a, bool):
+    if b is of and _int(a):
         return a
     return None
 

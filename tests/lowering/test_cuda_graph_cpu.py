@@ -529,6 +529,9 @@ class RecordingBuilder:
     def set_from_index(self, handle, index, n):
         self._log("set_index", n)
 
+    def set_from_program(self, handle, program, n):
+        self._log("set_program", program.argmax, program.steps, n)
+
     def set_onehot(self, handles, index, per_kernel=8):
         self._log("set_onehot", len(handles), per_kernel)
 
@@ -637,6 +640,84 @@ def test_switch_index_is_read_as_is_and_if_chains_set_handles(monkeypatch):
         assert all(calls[b] == [("copy", 0)] for b in calls if "SWITCH" in b)
     calls = record_capture(monkeypatch, sw, (torch.tensor(1), torch.ones(4)), switch="if_chain")
     assert calls["top"] == [("set_onehot", 3, 8), ("IF", 1), ("IF", 1), ("IF", 1)]
+
+
+def _before(gm, node, build):
+    """Insert ``build(graph)`` into ``gm`` just before ``node``; the last node it made."""
+    with gm.graph.inserting_before(node):
+        made = build(gm.graph)
+    gm.recompile()
+    return made
+
+
+def _routed_switch(steps, write=None):
+    """A 3-way switch_module whose index is ``steps`` of its first input, with an optional
+    in-place ``write`` of that input just before the switch."""
+    from branchyard.lowering.cuda_graph.fx_builders import switch_module
+
+    gm = switch_module([lambda x: x + 1, lambda x: x * 3, lambda x: x - 2], num_operands=1)
+    sw = next(n for n in gm.graph.nodes if handler_for(n.target) is not None)
+    v = sw.args[0]
+
+    def chain(g):
+        value = v
+        for target, extra in steps:
+            value = g.call_function(target, (value, *extra))
+        if write is not None:
+            g.call_method(write, (v, -1))
+        return value
+
+    sw.args = (_before(gm, sw, chain), *sw.args[1:])
+    gm.recompile()
+    return gm
+
+
+ARGMAX_ROUTER = [(torch.ops.aten.argmax.default, ()), (torch.ops.aten.clamp.default, (-1, 1)),
+                 (torch.ops.aten.remainder.Scalar, (3,))]
+
+
+def test_a_router_index_is_one_set_program_call(monkeypatch):
+    v = torch.tensor([0.5, 2.0, -1.0])
+    calls = record_capture(monkeypatch, _routed_switch(ARGMAX_ROUTER), (v, torch.ones(4)))
+    assert calls["top"] == [("set_program", True, (("max", -1), ("min", 1), ("mod", 3)), 3), ("SWITCH", 3)]
+
+
+def test_a_router_index_written_in_place_before_the_switch_runs_as_torch_ops(monkeypatch):
+    v = torch.tensor([0.5, 2.0, -1.0])
+    calls = record_capture(monkeypatch, _routed_switch(ARGMAX_ROUTER, write="mul_"), (v, torch.ones(4)))
+    assert calls["top"] == [("set_index", 3), ("SWITCH", 3)]  # argmax, clamp, remainder were torch ops
+
+
+def test_index_steps_past_the_kernel_limit_are_materialised(monkeypatch):
+    steps = [*ARGMAX_ROUTER, (torch.ops.aten.clamp.default, (0, 2)), (torch.ops.aten.clamp.default, (0, 1))]
+    v = torch.tensor([0.5, 2.0, -1.0])
+    calls = record_capture(monkeypatch, _routed_switch(steps), (v, torch.ones(4)))
+    # five steps after the argmax: the first four run as torch ops (the program is evaluated),
+    # and the last clamp starts a new program on their 0-d result
+    assert calls["top"] == [("set_program", False, (("max", 0), ("min", 1)), 3), ("SWITCH", 3)]
+
+
+def test_a_comparison_is_not_deferred_across_an_in_place_write(monkeypatch):
+    from branchyard.lowering.cuda_graph.fx_builders import cond_module
+
+    def program(write):
+        gm = cond_module(lambda x: x + 1, lambda x: x - 1, num_operands=1)
+        cond = next(n for n in gm.graph.nodes if n.target is COND)
+        x = cond.args[3][0]
+
+        def pred(g):
+            gt = g.call_function(operator.gt, (g.call_method("sum", (x,)), 0))
+            if write:
+                g.call_method("mul_", (x, -1))
+            return gt
+
+        cond.args = (_before(gm, cond, pred), *cond.args[1:])
+        gm.recompile()
+        return gm
+
+    args = (torch.tensor(True), torch.ones(4))
+    assert record_capture(monkeypatch, program(False), args)["top"][0][:2] == ("step", "gt")
+    assert record_capture(monkeypatch, program(True), args)["top"][0][:2] == ("step", "flag")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 import warnings
 from typing import Any, Callable
 
@@ -30,13 +29,7 @@ import nvgemm_op_overhead  # noqa: E402
 def _us(fn: Callable[[], Any], calls: int) -> float:
     for _ in range(200):
         fn()
-    blocks = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        blocks.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(blocks)
+    return statistics.median(nvgemm_op_overhead._block_us(fn, calls) for _ in range(7))
 
 
 def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:

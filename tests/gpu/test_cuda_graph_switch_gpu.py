@@ -15,16 +15,22 @@ from cuda_graph_gpu_support import DEV, no_host_sync, lower, check, export, scal
 pytestmark = pytest.mark.gpu
 
 
-def _switch_loop(branches):
+def _loop_over(sw, row=lambda r: r):
+    """``for k in ks: x = sw(row(k), x)[0]`` as one while_loop (``sw`` a switch GraphModule)."""
+
     class Body(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.sw = switch_module(branches, num_operands=1)
+            self.sw = sw
 
         def forward(self, i, x, ks):
-            return i + 1, self.sw(torch.index_select(ks, 0, i.view(1)), x)[0]
+            return i + 1, self.sw(row(torch.index_select(ks, 0, i.view(1))), x)[0]
 
     return while_loop_module(lambda i, x, ks: i < ks.shape[0], trace(Body()), num_carried=2, num_additional=1)
+
+
+def _switch_loop(branches):
+    return _loop_over(switch_module(branches, num_operands=1))
 
 
 EVERY_INDEX = [0, 1, 2, 3, 4, 5, 6, 7, -1, 8, 99, -99]  # every branch, then clamped from both sides
@@ -126,16 +132,7 @@ def _indexed_switch(branches, steps):
 
 def _index_loop(branches, steps, row=lambda r: r.reshape(-1)):
     """``for v in vs: x = branches[clamp(steps(row(v)))](x)`` as one while_loop."""
-
-    class Body(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.sw = _indexed_switch(branches, steps)
-
-        def forward(self, i, x, vs):
-            return i + 1, self.sw(row(torch.index_select(vs, 0, i.view(1))), x)[0]
-
-    return while_loop_module(lambda i, x, vs: i < vs.shape[0], trace(Body()), num_carried=2, num_additional=1)
+    return _loop_over(_indexed_switch(branches, steps), row)
 
 
 def _reference(branches, steps, x, vs, row=lambda r: r.reshape(-1)):
@@ -204,7 +201,7 @@ def test_switch_index_argmax_clamp_remainder_run_in_the_set_kernel(form, dtype):
 
 def test_index_steps_past_the_set_kernel_limit_run_as_torch_kernels():
     # five steps after the argmax: the fifth does not fit the kernel, so the program runs as torch
-    # kernels and the last clamp as one more; the result must not change.
+    # kernels and the last clamp starts a new set-kernel program on their result; same output.
     steps = [(aten.argmax.default, (), {}), (aten.clamp.default, (-5, 50), {}), (aten.remainder.Scalar, (9,), {}),
              (aten.clamp.default, (1, 6), {})]
     branches = [(lambda k: lambda x: x - k)(k) for k in range(8)]
@@ -250,15 +247,7 @@ def test_index_source_written_in_place_before_the_switch_is_read_before_the_writ
         gm.recompile()
         return gm
 
-    class Body(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.sw = negating_switch()
-
-        def forward(self, i, x, vs):
-            return i + 1, self.sw(torch.index_select(vs, 0, i.view(1)).reshape(-1), x)[0]
-
-    program = while_loop_module(lambda i, x, vs: i < vs.shape[0], trace(Body()), num_carried=2, num_additional=1)
+    program = _loop_over(negating_switch(), lambda r: r.reshape(-1))
     vs = _rows(torch.float32, ROUTER)
     x = torch.randn(512, device=DEV)
     m = lower(program, (scalar(0), x, vs))

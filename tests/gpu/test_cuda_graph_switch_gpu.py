@@ -256,3 +256,82 @@ def test_index_source_written_in_place_before_the_switch_is_read_before_the_writ
     with no_host_sync():
         _, y = m(zero, x, vs)
     assert torch.equal(y, _reference(branches, ROUTER, x, vs))
+
+
+# --------------------------------------------------------------------------- router set kernel
+def _router_loop(branches, w, *, mean=True):
+    """``for v in vs: x = branches[clamp(argmax(mean(v, 0) @ w) ...)](x)`` as one while_loop
+    (``argmax(v @ w)`` without ``mean``)."""
+    from branchyard.fx.control_flow import switch as by_switch
+
+    gm = switch_module(branches, num_operands=1)
+    gm.register_buffer("router_w", w)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is by_switch)
+    g = gm.graph
+    with g.inserting_before(node):
+        v = g.call_function(aten.mean.dim, (node.args[0], [0])) if mean else node.args[0]
+        k = g.call_function(aten.argmax.default, (g.call_function(aten.matmul.default, (v, g.get_attr("router_w"))),))
+        k = g.call_function(aten.remainder.Scalar, (g.call_function(aten.clamp.default, (k, -1, 6)), 7))
+    node.args = (k, *node.args[1:])
+    gm.recompile()
+    return _loop_over(gm, lambda r: r.squeeze(0))
+
+
+def _router_rows(dtype, mean, t=64, rows=4, k=64, seed=5):
+    """Integer-valued rows (every sum exact in float32, so any summation order agrees), with
+    ties, a NaN and an infinity."""
+    g = torch.Generator().manual_seed(seed)
+    vs = torch.randint(-3, 4, (t, rows, k) if mean else (t, k), generator=g).to(dtype)
+    vs[3].view(-1)[5] = float("nan")
+    vs[7].view(-1)[9] = float("inf")
+    vs[11].zero_()  # every logit 0: the first wins
+    return vs.to(DEV)
+
+
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_small_router_runs_in_one_set_kernel_and_picks_as_torch(dtype, mean):
+    branches = [(lambda k: lambda x: x * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
+    w = torch.randint(-2, 3, (64, 8), generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    vs = _router_rows(dtype, mean)
+    x = torch.randn(2048, device=DEV)
+    m = lower(_router_loop(branches, w, mean=mean), (scalar(0), x, vs))
+    # a step: index_select, ONE router set kernel (mean, matmul, argmax, clamp, remainder), SWITCH, step
+    body = m.graph_nodes.bodies[0]
+    assert body.by_type == {"KERNEL": 3, "CONDITIONAL": 1}, m.graph_nodes.summary()
+
+    def reference(vs):
+        y = x
+        for v in vs:
+            logits = (v.mean(0) if mean else v) @ w
+            k = int(torch.remainder(torch.clamp(torch.argmax(logits), -1, 6), 7))
+            y = branches[min(max(k, 0), 7)](y)
+        return y
+
+    zero = scalar(0)
+    for trial in range(3):  # new rows each replay: the kernel reads them
+        rows = vs if trial == 0 else vs[torch.randperm(vs.shape[0], generator=torch.Generator().manual_seed(trial)).to(DEV)]
+        with no_host_sync():
+            i, y = m(zero, x, rows)
+        assert i.item() == vs.shape[0]
+        assert torch.equal(y, reference(rows))
+
+
+def test_a_router_over_the_kernel_bound_runs_as_torch_kernels_with_the_same_picks():
+    from branchyard.lowering.cuda_graph import patterns
+
+    branches = [(lambda k: lambda x: x * 2 - k)(k) for k in range(8)]
+    k = 4096  # 16 rows x 4096 + 4096 x 8 elements: over MAX_ROUTER_ELEMENTS
+    assert 16 * k + k * 8 > patterns.MAX_ROUTER_ELEMENTS
+    w = torch.randint(-2, 3, (k, 8), generator=torch.Generator().manual_seed(2)).to(DEV, torch.float32)
+    vs = _router_rows(torch.float32, True, t=12, rows=16, k=k)
+    x = torch.randn(512, device=DEV)
+    m = lower(_router_loop(branches, w), (scalar(0), x, vs))
+    assert m.graph_nodes.bodies[0].by_type["KERNEL"] > 3, m.graph_nodes.summary()
+    y = x
+    for v in vs:
+        y = branches[min(max(int(torch.remainder(torch.clamp(torch.argmax(v.mean(0) @ w), -1, 6), 7)), 0), 7)](y)
+    zero = scalar(0)
+    with no_host_sync():
+        _, out = m(zero, x, vs)
+    assert torch.equal(out, y)

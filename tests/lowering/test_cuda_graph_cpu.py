@@ -530,7 +530,14 @@ class RecordingBuilder:
         self._log("set_index", n)
 
     def set_from_program(self, handle, program, n):
-        self._log("set_program", program.argmax, program.steps, n)
+        from branchyard.lowering.cuda_graph.patterns import RouterLogits
+
+        if isinstance(program.source, RouterLogits):
+            r = program.source
+            self._log("set_router", r.rows, tuple(r.w.shape), program.steps, n)
+            self.routers = getattr(self, "routers", []) + [program]
+        else:
+            self._log("set_program", program.argmax, program.steps, n)
 
     def set_onehot(self, handles, index, per_kernel=8):
         self._log("set_onehot", len(handles), per_kernel)
@@ -572,6 +579,7 @@ def record_capture(monkeypatch, program, args, **options) -> dict[str, list[tupl
         ctx.exhausted = torch.zeros((), dtype=torch.bool)
     out = capture.ControlFlowInterpreter(gm, ctx).run(*args)
     ctx.builder.calls["result"] = out
+    ctx.builder.calls["routers"] = getattr(ctx.builder, "routers", [])
     return ctx.builder.calls
 
 
@@ -805,3 +813,116 @@ def test_cond_tree_module_is_what_switch_to_cond_makes(monkeypatch):
         x = torch.randn(16)
         (got,) = by_hand(torch.tensor(k), x)
         assert torch.equal(got, branches[min(max(k, 0), 7)](x))
+
+
+# --------------------------------------------------------------------------- router set kernel (no GPU)
+def _router_switch(w, *, mean=True, write=None, keepdim=False):
+    """A 3-way switch_module whose index is ``argmax(mean(x, 0) @ w)`` (or ``argmax(x @ w)``),
+    clamped and wrapped, with an optional in-place ``write`` of ``x`` just before the switch."""
+    from branchyard.lowering.cuda_graph.fx_builders import switch_module
+
+    aten = torch.ops.aten
+    gm = switch_module([lambda y: y + 1, lambda y: y * 3, lambda y: y - 2], num_operands=1)
+    gm.register_buffer("router_w", w)
+    sw = next(n for n in gm.graph.nodes if handler_for(n.target) is not None)
+    x = sw.args[0]
+
+    def chain(g):
+        v = g.call_function(aten.mean.dim, (x, [0], keepdim)) if mean else x
+        target = aten.mm.default if keepdim else aten.matmul.default
+        k = g.call_function(aten.argmax.default, (g.call_function(target, (v, g.get_attr("router_w"))),))
+        k = g.call_function(aten.remainder.Scalar, (g.call_function(aten.clamp.default, (k, -1, 2)), 3))
+        if write:
+            g.call_method("mul_", (x, -1))
+        return k
+
+    sw.args = (_before(gm, sw, chain), *sw.args[1:])
+    gm.recompile()
+    return gm
+
+
+def _router_reference(x, w, mean=True):
+    v = x.mean(0) if mean else x
+    return int(torch.remainder(torch.clamp(torch.argmax(v @ w), -1, 2), 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mean", [True, False])
+def test_a_mean_matmul_argmax_router_is_one_set_router_call(monkeypatch, dtype, mean):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 5, generator=g).to(dtype)
+    x = (torch.randn(6, 16, generator=g) if mean else torch.randn(16, generator=g)).to(dtype)
+    calls = record_capture(monkeypatch, _router_switch(w, mean=mean), (x, torch.ones(4)))
+    # no mean, matmul or argmax kernel: ONE router set kernel (6 rows, or one vector), then the SWITCH
+    assert calls["top"] == [("set_router", 6 if mean else 1, (16, 5), (("max", -1), ("min", 2), ("mod", 3)), 3),
+                            ("SWITCH", 3)]
+    (program,) = calls["routers"]
+    assert int(program.evaluate()) == _router_reference(x, w, mean)
+
+
+def test_a_keepdim_router_through_mm_is_one_set_router_call(monkeypatch):
+    w = torch.randn(8, 3)
+    x = torch.randn(4, 8)
+    calls = record_capture(monkeypatch, _router_switch(w, keepdim=True), (x, torch.ones(4)))
+    assert calls["top"][0][:3] == ("set_router", 4, (8, 3))
+
+
+def test_a_router_over_the_kernel_bound_runs_mean_and_matmul_as_torch_kernels(monkeypatch):
+    from branchyard.lowering.cuda_graph import patterns
+
+    w, x = torch.randn(16, 5), torch.randn(6, 16)
+    monkeypatch.setattr(patterns, "MAX_ROUTER_ELEMENTS", 6 * 16 + 16 * 5 - 1)
+    calls = record_capture(monkeypatch, _router_switch(w), (x, torch.ones(4)))
+    # the logits are a torch tensor again: the plain set-program kernel takes their argmax
+    assert calls["top"] == [("set_program", True, (("max", -1), ("min", 2), ("mod", 3)), 3), ("SWITCH", 3)]
+
+
+def test_a_router_input_written_in_place_before_the_switch_is_not_deferred(monkeypatch):
+    w, x = torch.randn(16, 5), torch.randn(6, 16)
+    calls = record_capture(monkeypatch, _router_switch(w, write=True), (x, torch.ones(4)))
+    assert calls["top"][0][0] != "set_router" and calls["routers"] == []
+
+
+@pytest.mark.parametrize("case", ["int", "dims", "noncontiguous_w", "dtype_mismatch", "wide_k", "many_experts",
+                                  "mm_vector", "too_many_elements", "grad"])
+def test_match_router_step_refuses_what_the_kernel_cannot_compute(monkeypatch, case):
+    from branchyard.lowering.cuda_graph import patterns
+
+    mean, matmul = torch.ops.aten.mean.dim, torch.ops.aten.matmul.default
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    assert patterns.match_router_step(matmul, (patterns.match_router_step(mean, (x, [0]), {}), w), {}) is not None
+    if case == "int":
+        assert patterns.match_router_step(mean, (x.to(torch.int32), [0]), {}) is None
+    elif case == "dims":
+        assert patterns.match_router_step(mean, (x, [1]), {}) is None
+    elif case == "noncontiguous_w":
+        assert patterns.match_router_step(matmul, (patterns.RowMean(x), torch.randn(3, 8).t()), {}) is None
+    elif case == "dtype_mismatch":
+        assert patterns.match_router_step(matmul, (patterns.RowMean(x), w.double()), {}) is None
+    elif case == "wide_k":
+        assert patterns.match_router_step(mean, (torch.randn(1, patterns.MAX_ROUTER_K + 1), [0]), {}) is None
+    elif case == "many_experts":
+        big = torch.randn(8, patterns.MAX_ARGMAX_ELEMENTS + 1)
+        assert patterns.match_router_step(matmul, (patterns.RowMean(x), big), {}) is None
+    elif case == "mm_vector":  # mm takes matrices: a 1-D operand is not its form
+        assert patterns.match_router_step(torch.ops.aten.mm.default, (x[0], w), {}) is None
+    elif case == "too_many_elements":
+        monkeypatch.setattr(patterns, "MAX_ROUTER_ELEMENTS", x.numel() + w.numel() - 1)
+        assert patterns.match_router_step(matmul, (patterns.RowMean(x), w), {}) is None
+    else:
+        assert patterns.match_router_step(matmul, (patterns.RowMean(x), w.requires_grad_()), {}) is None
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_the_router_steps_stay_out_of_inductor_regions():
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.lowering.cuda_graph.inductor_regions import fuse_regions
+    from branchyard.passes import cond_to_switch
+
+    m = DecodeLoop(dim=32, hidden=64, num_experts=4)
+    ep = cond_to_switch(torch.export.export(m, (torch.randn(4, 32), torch.tensor(3))))
+    gm = ep.module()
+    fuse_regions(gm)
+    body = gm.get_submodule("while_loop_body_graph_0")
+    left = [n.target for n in body.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mean.dim in left and torch.ops.aten.matmul.default in left

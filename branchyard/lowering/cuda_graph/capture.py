@@ -42,10 +42,15 @@ from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handle
 from branchyard.lowering.cuda_graph.patterns import (
     COMPARISONS,
     INDEX_STEPS,
+    ROUTER_STEPS,
     IndexProgram,
+    RouterLogits,
+    RowMean,
     feeds_only_switch_index,
     match_comparison,
     match_index_step,
+    match_router_step,
+    router_feeds_switch,
     nothing_mutates_between,
     out_form,
 )
@@ -240,6 +245,12 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                 if program is not None:
                     self.ctx.keepalive.append(program)
                     return program
+            if _in(n.target, ROUTER_STEPS) and router_feeds_switch(n, is_switch_node):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                step = match_router_step(n.target, args, kwargs)
+                if step is not None:
+                    self.ctx.keepalive.append(step)
+                    return step
             if not is_switch_node(n):
                 self._materialize_index_programs(n)
         try:
@@ -263,11 +274,11 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         return result
 
     def _materialize_index_programs(self, n: Node) -> None:
-        """Index steps deferred for a set kernel whose consumer turned out not to fit
-        (a step the kernel cannot compute): run them as torch kernels after all."""
+        """Index steps (or router steps) deferred for a set kernel whose consumer turned out
+        not to fit (a step the kernel cannot compute): run them as torch kernels after all."""
         for inp in n.all_input_nodes:
             value = self.env.get(inp)
-            if isinstance(value, IndexProgram):
+            if isinstance(value, (IndexProgram, RouterLogits, RowMean)):
                 self.env[inp] = value.evaluate()
                 self.ctx.keepalive.append(self.env[inp])
 

@@ -28,6 +28,7 @@ Semantics of the kernels, as Python (``n`` = number of SWITCH bodies)::
         h = v; h_else = not v                             # h_else: the IF + IF lowering of if/else
     set_program(h, p, n):    i = argmax(p.source) if p.argmax else p.source; i = p.steps(i)  # IndexProgram
                              h = min(max(i, 0), n - 1)          # switch clamps (branchyard.fx.control_flow)
+    set_router(h, p, n):     the same with p.source = mean(x, 0) @ w computed by the kernel's one block  # RouterLogits
     set_onehot(hs, i, n):    hs[k] = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
     copy4(pairs):            dst[:] = src[:] for up to 4 dense (dst, src) pairs, one kernel node
 
@@ -202,17 +203,10 @@ __device__ long long by_argmax(const void* p, int dtype, long long len) {
     return best;
 }
 
-// A switch index computed here instead of by torch kernels (IndexProgram in Python):
-// i = argmax(src[0:len]) or the integer *src, then up to four steps on int64 --
-// 1 max(i, a) (clamp's min), 2 min(i, a) (clamp's max), 3 Python's i % a (the sign of a) --
-// then the handle gets clamp(i, 0, n - 1) (no argmax, no steps: a switch's plain index).
-extern "C" __global__ void branchyard_set_program(cudaGraphConditionalHandle h, const void* src, int dtype,
-                                                  long long len, int argmax, int nsteps,
-                                                  int op0, long long a0, int op1, long long a1,
-                                                  int op2, long long a2, int op3, long long a3, long long n) {
-    long long i = argmax ? by_argmax(src, dtype, len) : by_load_int(src, dtype);
-    const int ops[4] = {op0, op1, op2, op3};
-    const long long as[4] = {a0, a1, a2, a3};
+// Index steps on int64 (IndexProgram.steps): 1 max(i, a) (clamp's min), 2 min(i, a) (clamp's max),
+// 3 Python's i % a (the sign of a); then clamp(i, 0, n - 1) into the handle.
+__device__ void by_steps_and_set(cudaGraphConditionalHandle h, long long i, int nsteps, const int* ops,
+                                 const long long* as, long long n) {
     for (int k = 0; k < nsteps && k < 4; ++k) {
         long long a = as[k];
         if (ops[k] == 1) {
@@ -227,6 +221,87 @@ extern "C" __global__ void branchyard_set_program(cudaGraphConditionalHandle h, 
     }
     i = i < 0 ? 0 : (i >= n ? n - 1 : i);
     cudaGraphSetConditional(h, (unsigned int)i);
+}
+
+// A switch index computed here instead of by torch kernels (IndexProgram in Python):
+// i = argmax(src[0:len]) or the integer *src, then up to four steps (no argmax, no steps:
+// a switch's plain index).
+extern "C" __global__ void branchyard_set_program(cudaGraphConditionalHandle h, const void* src, int dtype,
+                                                  long long len, int argmax, int nsteps,
+                                                  int op0, long long a0, int op1, long long a1,
+                                                  int op2, long long a2, int op3, long long a3, long long n) {
+    long long i = argmax ? by_argmax(src, dtype, len) : by_load_int(src, dtype);
+    const int ops[4] = {op0, op1, op2, op3};
+    const long long as[4] = {a0, a1, a2, a3};
+    by_steps_and_set(h, i, nsteps, ops, as, n);
+}
+
+// A float of dtype 3 float32, 8 bfloat16, 9 float16, and a float32 rounded to that dtype
+// (round to nearest even: what torch's kernels store).
+__device__ __forceinline__ float by_load_f(const void* p, long long i, int dtype) {
+    if (dtype == 3) return ((const float*)p)[i];
+    unsigned short b = ((const unsigned short*)p)[i];
+    if (dtype == 8) return __uint_as_float(((unsigned int)b) << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
+__device__ __forceinline__ float by_round(float f, int dtype) {
+    if (dtype == 8) {
+        unsigned int u = __float_as_uint(f);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return f;  // NaN stays NaN
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return __uint_as_float(u & 0xffff0000u);
+    }
+    if (dtype == 9) {
+        unsigned short b;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    }
+    return f;
+}
+
+#define BY_ROUTER_MAX_K 8192
+#define BY_ROUTER_MAX_E 1024
+// A router's switch index in ONE node (RouterLogits in Python), one block:
+//   v = mean(x[0:rows, 0:k], 0) (rows > 1 or mean) else x[0:k]     -- rounded to dtype
+//   logits[j] = sum_c v[c] * w[c, j]  (w row-major k x e)           -- rounded to dtype
+//   i = argmax(logits) (the first maximum; the first NaN wins), then the index steps.
+extern "C" __global__ void branchyard_set_router(cudaGraphConditionalHandle h, const void* x, const void* w, int dtype,
+                                                 long long rows, long long k, long long e, int mean, float inv_rows,
+                                                 int nsteps, int op0, long long a0, int op1, long long a1,
+                                                 int op2, long long a2, int op3, long long a3, long long n) {
+    __shared__ float v[BY_ROUTER_MAX_K];
+    __shared__ float logits[BY_ROUTER_MAX_E];
+    for (long long c = threadIdx.x; c < k; c += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll 8
+        for (long long r = 0; r < rows; ++r) acc += by_load_f(x, r * k + c, dtype);
+        v[c] = mean ? by_round(acc * inv_rows, dtype) : acc;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (long long j = threadIdx.x >> 5; j < e; j += warps) {
+        float acc = 0.f;
+#pragma unroll 4
+        for (long long c = lane; c < k; c += 32) acc += v[c] * by_load_f(w, c * e + j, dtype);
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+        if (lane == 0) logits[j] = by_round(acc, dtype);
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    long long best = 0;
+    float m = logits[0];
+    if (m == m) {
+        for (long long j = 1; j < e; ++j) {
+            float l = logits[j];
+            if (l != l) { best = j; break; }
+            if (l > m) { m = l; best = j; }
+        }
+    }
+    const int ops[4] = {op0, op1, op2, op3};
+    const long long as[4] = {a0, a1, a2, a3};
+    by_steps_and_set(h, best, nsteps, ops, as, n);
 }
 
 // Switch as a chain of IF nodes: handle k of this launch is set to (clamp(index) == base + k).
@@ -250,6 +325,7 @@ extern "C" __global__ void branchyard_copy4(int count, BY_COPY4_PARAMS) {
 SET_KERNEL_NAMES = (
     "branchyard_step",
     "branchyard_set_program",
+    "branchyard_set_router",
     "branchyard_set_onehot",
     "branchyard_copy4",
 )
@@ -497,10 +573,12 @@ class ConditionalBuilder:
         """Capture ONE set kernel: ``handle = clamp(program, 0, n - 1)``, the program's
         argmax and steps computed by the kernel (see :class:`~.patterns.IndexProgram`)."""
         from branchyard.lowering.cuda_graph.patterns import (
-            ARGMAX_DTYPE_CODES, INDEX_STEP_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS,
+            ARGMAX_DTYPE_CODES, INDEX_STEP_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, RouterLogits,
         )
 
         src = program.source
+        if isinstance(src, RouterLogits):
+            return self._set_from_router(handle, program, n)
         if program.argmax:
             code = ARGMAX_DTYPE_CODES.get(src.dtype)
             if code is None or not src.is_cuda or not src.is_contiguous() or not 0 < src.numel() <= MAX_ARGMAX_ELEMENTS:
@@ -523,6 +601,46 @@ class ConditionalBuilder:
         types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
                  *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
         self._launch("branchyard_set_program", args, types)
+        self._keepalive.append(program)
+
+    #: Threads of the router set kernel's one block.
+    ROUTER_THREADS = 512
+
+    def _set_from_router(self, handle: Any, program: "IndexProgram", n: int) -> None:
+        """Capture ONE router set kernel: ``handle = clamp(steps(argmax(logits)), 0, n - 1)``
+        with the logits of ``program.source`` (a :class:`~.patterns.RouterLogits`)."""
+        from branchyard.lowering.cuda_graph.patterns import (
+            INDEX_STEP_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, MAX_ROUTER_ELEMENTS, MAX_ROUTER_K,
+            ROUTER_DTYPE_CODES, RowMean,
+        )
+
+        r = program.source
+        x, w = r.x, r.w
+        k, e = (w.shape[0], w.shape[1]) if w.dim() == 2 else (0, 0)
+        fits = (
+            program.argmax and x.dtype in ROUTER_DTYPE_CODES and w.dtype == x.dtype and x.is_cuda and w.device == x.device
+            and x.is_contiguous() and w.is_contiguous() and x.numel() == r.rows * k and 0 < k <= MAX_ROUTER_K
+            and 0 < e <= MAX_ARGMAX_ELEMENTS and x.numel() + w.numel() <= MAX_ROUTER_ELEMENTS
+            and len(program.steps) <= MAX_INDEX_STEPS
+        )
+        if not fits:
+            raise LoweringError(
+                f"the router set kernel takes argmax(mean(x, 0) @ w) of contiguous CUDA float tensors, w of shape (K, E) "
+                f"with K <= {MAX_ROUTER_K}, E <= {MAX_ARGMAX_ELEMENTS} and at most {MAX_ROUTER_ELEMENTS} elements in all; "
+                f"got x {x.dtype} {tuple(x.shape)} on {x.device}, w {w.dtype} {tuple(w.shape)}",
+                where="switch index",
+            )
+        steps: list[int] = []
+        for op, a in program.steps:
+            steps += [INDEX_STEP_CODES[op], int(a)]
+        steps += [0, 0] * (MAX_INDEX_STEPS - len(program.steps))
+        mean = isinstance(r.a, RowMean)
+        args = (int(handle), x.data_ptr(), w.data_ptr(), ROUTER_DTYPE_CODES[x.dtype], r.rows, k, e, int(mean),
+                1.0 / r.rows, len(program.steps), *steps, n)
+        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                 *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
+        self._launch("branchyard_set_router", args, types, block=self.ROUTER_THREADS)
         self._keepalive.append(program)
 
     def set_onehot(self, handles: list[Any], index: torch.Tensor, per_kernel: int = 8) -> None:

@@ -15,7 +15,9 @@ keeps its own node-saving patterns and fused kernels:
   ``idx == k``), which the set and step kernels evaluate themselves; a
   reduction of real data to an index (``argmax``) may join a region, except
   a small one feeding only a switch's index, which the switch's set kernel
-  computes (:class:`~.patterns.IndexProgram`);
+  computes (:class:`~.patterns.IndexProgram`), and the mean and matmul of a
+  small router (``argmax(mean(x, 0) @ w)``) whose argmax does, which the
+  router set kernel computes (:class:`~.patterns.RouterLogits`);
 * random ops (the lowering refuses them inside bodies with a clear error).
 
 Before / after, in one body::
@@ -87,6 +89,8 @@ class _Fusable(OperatorSupportBase):
             return False
         if not isinstance(val, torch.Tensor):
             return False
+        if _set_kernel_router(node):
+            return False
         if val.dim() == 0 and not val.dtype.is_floating_point:
             # Scalar arithmetic on counters, predicates and indices stays: the set and step
             # kernels evaluate it. A reduction of real data to an index (argmax) may join,
@@ -111,6 +115,28 @@ def _set_kernel_argmax(node: Node) -> bool:
     if not isinstance(numel, int) or numel > MAX_ARGMAX_ELEMENTS:
         return False  # symbolic or large: Inductor's reduction is the better kernel
     return feeds_only_switch_index(node, is_switch_node)
+
+
+def _set_kernel_router(node: Node) -> bool:
+    """A router step (``mean`` or ``matmul``) of a small ``argmax(mean(x, 0) @ w)`` that feeds
+    only a switch index: the switch's router set kernel computes it (:class:`~.patterns.RouterLogits`)."""
+    from branchyard.lowering.cuda_graph.handlers import is_switch_node
+    from branchyard.lowering.cuda_graph.patterns import (
+        MAX_ROUTER_ELEMENTS, ROUTER_DTYPE_CODES, ROUTER_STEPS, router_feeds_switch,
+    )
+
+    kind = ROUTER_STEPS.get(node.target)
+    if kind is None or not router_feeds_switch(node, is_switch_node):
+        return False
+    matmul = next(iter(node.users)) if kind == "mean" else node
+    head = matmul.args[0]
+    if isinstance(head, Node) and ROUTER_STEPS.get(head.target) == "mean":
+        head = head.args[0]  # the mean's input is what the kernel reads
+    vals = [a.meta.get("val") if isinstance(a, Node) else None for a in (head, matmul.args[1])]
+    if not all(isinstance(v, torch.Tensor) and v.dtype in ROUTER_DTYPE_CODES for v in vals):
+        return False
+    total = sum(v.numel() for v in vals)
+    return isinstance(total, int) and total <= MAX_ROUTER_ELEMENTS  # symbolic sizes: not known now
 
 
 def _fuse_one(gm: GraphModule) -> int:

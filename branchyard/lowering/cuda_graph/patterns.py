@@ -27,6 +27,17 @@ source, applies them and sets the handle (up to :data:`MAX_INDEX_STEPS` steps,
     before: i = argmax(v); j = clamp(i, -1, 6); k = remainder(j, 7); set(h, k)
     after:  set_program(h, argmax(&v); max -1; min 6; mod 7)
 
+**Routers a set kernel computes itself.** A mixture-of-experts router --
+``argmax(x.mean(0) @ w)`` (or ``argmax(v @ w)`` for a vector ``v``) -- whose
+argmax feeds only the switch's index is not run as a mean kernel, a GEMV and
+the set kernel: one set kernel of one block reads ``x`` and ``w``, computes the
+logits (each intermediate rounded to the input dtype, as torch stores it) and
+sets the handle, for up to :data:`MAX_ROUTER_ELEMENTS` elements of ``x`` and
+``w`` together::
+
+    before: m = mean(x, 0); l = matmul(m, w); i = argmax(l); set(h, i)
+    after:  set_router(h, argmax(mean(&x) @ &w))
+
 **Outputs written in place.** An op whose result is a branch's output and that
 has an ``out=`` form writes straight into the conditional node's output buffer,
 so no copy node follows it::
@@ -56,6 +67,11 @@ __all__ = [
     "Comparison",
     "IndexProgram",
     "INDEX_STEPS",
+    "ROUTER_STEPS",
+    "RouterLogits",
+    "RowMean",
+    "router_feeds_switch",
+    "match_router_step",
     "feeds_only_switch_index",
     "may_mutate",
     "nothing_mutates_between",
@@ -210,13 +226,14 @@ class IndexProgram:
             i = max(i, a) if op == "max" else min(i, a) if op == "min" else i % a
     """
 
-    source: torch.Tensor
+    source: "torch.Tensor | RouterLogits"
     argmax: bool = False
     steps: tuple[tuple[str, int], ...] = ()
 
     def evaluate(self) -> torch.Tensor:
         """The index as the torch kernels compute it (where a tensor is needed after all)."""
-        i = torch.argmax(self.source) if self.argmax else self.source
+        source = self.source.evaluate() if isinstance(self.source, RouterLogits) else self.source
+        i = torch.argmax(source) if self.argmax else source
         for op, a in self.steps:
             i = torch.clamp(i, min=a) if op == "max" else torch.clamp(i, max=a) if op == "min" else torch.remainder(i, a)
         return i
@@ -258,10 +275,14 @@ def match_index_step(target: Any, args: tuple, kwargs: dict) -> IndexProgram | N
         return None
     x = args[0]
     if name == "argmax":
-        if not isinstance(x, torch.Tensor):
-            return None
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if set(kwargs) - {"dim", "keepdim"} or len(args) > 3:
+            return None
+        if isinstance(x, RouterLogits):
+            if dim is not None and not (len(x.shape) == 1 and dim in (0, -1)):
+                return None
+            return IndexProgram(x, argmax=True)
+        if not isinstance(x, torch.Tensor):
             return None
         if dim is not None and not (x.dim() == 1 and dim in (0, -1)):
             return None  # a flat argmax (or one over the only dim) is what the kernel computes
@@ -285,6 +306,137 @@ def match_index_step(target: Any, args: tuple, kwargs: dict) -> IndexProgram | N
     if len(program.steps) + len(steps) > MAX_INDEX_STEPS:
         return None
     return IndexProgram(program.source, program.argmax, program.steps + steps)
+
+
+# --------------------------------------------------------------------------- routers
+#: Widest router input (``K``) the router set kernel holds in shared memory.
+MAX_ROUTER_K = 8192
+#: Most elements of ``x`` and ``w`` together that the router set kernel's one block reads;
+#: a larger router is faster as torch kernels spread over many blocks.
+MAX_ROUTER_ELEMENTS = 1 << 16
+#: dtype -> code of the tensors a router reads (the argmax codes of the three float types).
+ROUTER_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 3, torch.bfloat16: 8, torch.float16: 9}
+#: FX targets of a router's steps.
+ROUTER_STEPS: dict[Any, str] = {
+    aten.mean.dim: "mean", torch.mean: "mean",
+    aten.matmul.default: "matmul", torch.matmul: "matmul", operator.matmul: "matmul", aten.mm.default: "matmul",
+}
+
+
+@dataclass(frozen=True)
+class RowMean:
+    """``x.mean(0, keepdim)`` of a 2-D ``x``, left for a router set kernel (see :class:`RouterLogits`)."""
+
+    x: torch.Tensor
+    keepdim: bool = False
+
+    def evaluate(self) -> torch.Tensor:
+        return self.x.mean(0, keepdim=self.keepdim)
+
+
+@dataclass(frozen=True)
+class RouterLogits:
+    """``matmul(a, w)`` left for the router set kernel: ``a`` a :class:`RowMean` of an
+    ``(R, K)`` tensor or a ``K``-vector (shape ``(K,)`` or ``(1, K)``), ``w`` a contiguous
+    ``(K, E)`` matrix of the same float dtype. The kernel computes, as Python::
+
+        v = a.x.mean(0) if isinstance(a, RowMean) else a.reshape(-1)   # rounded to the dtype
+        logits = (v @ w).reshape(-1)                                   # rounded to the dtype
+
+    accumulating in float32 (the order of a sum may differ from torch's in the last bits)."""
+
+    a: "RowMean | torch.Tensor"
+    w: torch.Tensor
+    target: Any
+    shape: tuple[int, ...]
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.a.x if isinstance(self.a, RowMean) else self.a
+
+    @property
+    def rows(self) -> int:
+        return self.a.x.shape[0] if isinstance(self.a, RowMean) else 1
+
+    def evaluate(self) -> torch.Tensor:
+        a = self.a.evaluate() if isinstance(self.a, RowMean) else self.a
+        return self.target(a, self.w)
+
+
+def _router_tensor(t: Any) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype in ROUTER_DTYPE_CODES and t.is_contiguous()
+            and not t.requires_grad)
+
+
+def match_router_step(target: Any, args: tuple, kwargs: dict) -> "RowMean | RouterLogits | None":
+    """``target(*args, **kwargs)`` as the router set kernel's :class:`RowMean` or
+    :class:`RouterLogits` (from a ``RowMean`` or vector operand), or None when it cannot
+    compute it exactly.
+
+        >>> import torch
+        >>> x, w = torch.randn(4, 8), torch.randn(8, 3)
+        >>> m = match_router_step(torch.ops.aten.mean.dim, (x, [0]), {})
+        >>> r = match_router_step(torch.ops.aten.matmul.default, (m, w), {})
+        >>> bool(torch.equal(r.evaluate(), x.mean(0) @ w)), r.rows
+        (True, 4)
+    """
+    name = ROUTER_STEPS.get(target) if _hashable(target) else None
+    if name == "mean":
+        if len(args) < 2 or len(args) > 3 or set(kwargs) - {"keepdim"}:
+            return None  # a dtype= mean converts first
+        x, dims = args[0], args[1]
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        dims = [dims] if isinstance(dims, int) else dims
+        if not _router_tensor(x) or x.dim() != 2 or list(dims or []) not in ([0], [-2]) or not isinstance(keepdim, bool):
+            return None
+        if not 0 < x.shape[1] <= MAX_ROUTER_K or x.shape[0] == 0:
+            return None
+        return RowMean(x, keepdim)
+    if name != "matmul" or len(args) != 2 or kwargs:
+        return None
+    a, w = args
+    x = a.x if isinstance(a, RowMean) else a
+    if not _router_tensor(x) or not _router_tensor(w) or w.dim() != 2 or w.dtype != x.dtype or w.device != x.device:
+        return None
+    k, e = w.shape
+    if isinstance(a, RowMean):
+        a_shape = (1, k) if a.keepdim else (k,)
+        if x.shape[1] != k:
+            return None
+    else:
+        a_shape = tuple(a.shape)
+    if a_shape not in ((k,), (1, k)) or not 0 < k <= MAX_ROUTER_K or not 0 < e <= MAX_ARGMAX_ELEMENTS:
+        return None
+    if target is aten.mm.default and len(a_shape) != 2:
+        return None
+    if x.numel() + w.numel() > MAX_ROUTER_ELEMENTS:
+        return None
+    return RouterLogits(a, w, target, (e,) if len(a_shape) == 1 else (1, e))
+
+
+def router_feeds_switch(node: Any, is_switch: Callable[[Any], bool]) -> bool:
+    """Whether the FX ``node`` (a mean or matmul) starts a chain ``mean -> matmul -> argmax``
+    (or ``matmul -> argmax``), each the sole use of the one before as its first operand,
+    whose argmax feeds only switch indices with nothing written in place from ``node`` on."""
+    first = node
+    while True:
+        users = list(getattr(node, "users", ()))
+        if len(users) != 1:
+            return False
+        user = users[0]
+        if user.op != "call_function" or not user.args or user.args[0] is not node:
+            return False
+        rest: list[Any] = []
+        torch.fx.node.map_arg((user.args[1:], user.kwargs), rest.append)
+        if node in rest or not _hashable(user.target):
+            return False
+        here = ROUTER_STEPS.get(node.target) if _hashable(node.target) else None
+        if here == "mean" and ROUTER_STEPS.get(user.target) == "matmul":
+            node = user
+            continue
+        if here == "matmul" and INDEX_STEPS.get(user.target) == "argmax":
+            return feeds_only_switch_index(user, is_switch, first)
+        return False
 
 
 def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool], _source: Any = None) -> bool:

@@ -288,12 +288,22 @@ def _router_rows(dtype, mean, t=64, rows=4, k=64, seed=5):
     return vs.to(DEV)
 
 
+# (rows, K, E): the vector path with one, two and four column groups per warp lane, a row count
+# that is no multiple of the row groups, one row group; E = 6 takes the element-wise path
+ROUTER_SHAPES = [(4, 64, 8), (5, 1024, 32), (2, 2048, 16), (3, 64, 6)]
+
+
+@pytest.mark.parametrize("shape", ROUTER_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mean", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_small_router_runs_in_one_set_kernel_and_picks_as_torch(dtype, mean):
-    branches = [(lambda k: lambda x: x * (0.5 + 0.125 * k) + k)(k) for k in range(8)]
-    w = torch.randint(-2, 3, (64, 8), generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
-    vs = _router_rows(dtype, mean)
+def test_a_small_router_runs_in_one_set_kernel_and_picks_as_torch(dtype, mean, shape):
+    from branchyard.lowering.cuda_graph.conditional_nodes import router_vector_path
+
+    rows, k, e = shape
+    branches = [(lambda j: lambda x: x * (0.5 + 0.125 * j) + j)(j) for j in range(8)]
+    w = torch.randint(-2, 3, (k, e), generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+    vs = _router_rows(dtype, mean, rows=rows, k=k)
+    assert router_vector_path(vs[0], w) == (e != 6)
     x = torch.randn(2048, device=DEV)
     m = lower(_router_loop(branches, w, mean=mean), (scalar(0), x, vs))
     # a step: index_select, ONE router set kernel (mean, matmul, argmax, clamp, remainder), SWITCH, step
@@ -304,17 +314,17 @@ def test_a_small_router_runs_in_one_set_kernel_and_picks_as_torch(dtype, mean):
         y = x
         for v in vs:
             logits = (v.mean(0) if mean else v) @ w
-            k = int(torch.remainder(torch.clamp(torch.argmax(logits), -1, 6), 7))
-            y = branches[min(max(k, 0), 7)](y)
+            j = int(torch.remainder(torch.clamp(torch.argmax(logits), -1, 6), 7))
+            y = branches[min(max(j, 0), 7)](y)
         return y
 
     zero = scalar(0)
     for trial in range(3):  # new rows each replay: the kernel reads them
-        rows = vs if trial == 0 else vs[torch.randperm(vs.shape[0], generator=torch.Generator().manual_seed(trial)).to(DEV)]
+        rows_now = vs if trial == 0 else vs[torch.randperm(vs.shape[0], generator=torch.Generator().manual_seed(trial)).to(DEV)]
         with no_host_sync():
-            i, y = m(zero, x, rows)
+            i, y = m(zero, x, rows_now)
         assert i.item() == vs.shape[0]
-        assert torch.equal(y, reference(rows))
+        assert torch.equal(y, reference(rows_now))
 
 
 def test_a_router_over_the_kernel_bound_runs_as_torch_kernels_with_the_same_picks():

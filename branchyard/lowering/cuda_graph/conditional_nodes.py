@@ -262,41 +262,133 @@ __device__ __forceinline__ float by_round(float f, int dtype) {
 }
 
 #define BY_ROUTER_MAX_K 8192
+#define BY_ROUTER_VEC_MAX_K 4096
 #define BY_ROUTER_MAX_E 1024
-// A router's switch index in ONE node (RouterLogits in Python), one block:
-//   v = mean(x[0:rows, 0:k], 0) (rows > 1 or mean) else x[0:k]     -- rounded to dtype
-//   logits[j] = sum_c v[c] * w[c, j]  (w row-major k x e)           -- rounded to dtype
+#define BY_ROUTER_THREADS 512
+struct alignas(16) by_vec16 { unsigned int w[4]; };
+// Element j of a 16-byte vector of dtype (3: 4 float32; 8, 9: 8 bfloat16 / float16).
+__device__ __forceinline__ float by_vec_at(const by_vec16& q, int j, int dtype) {
+    if (dtype == 3) return __uint_as_float(q.w[j]);
+    unsigned short b = (unsigned short)(q.w[j >> 1] >> ((j & 1) * 16));
+    if (dtype == 8) return __uint_as_float(((unsigned int)b) << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
+
+// The vector path of the router kernel (NV elements per 16-byte vector; the host checked that x and
+// w are 16-byte aligned, k <= BY_ROUTER_VEC_MAX_K and k, e multiples of NV, e / NV a power of two
+// <= 32): every load is a 16-byte vector and a thread's loads are independent of each other, so
+// the block waits about one memory latency per phase. smem: v[0:k), part[4096:8192), logits after.
+template <int NV>
+__device__ void by_router_vec(float* smem, const void* x, const void* w, int dtype, long long rows, long long k,
+                              long long e, int mean, float inv_rows) {
+    float* v = smem;
+    float* part = smem + BY_ROUTER_VEC_MAX_K;
+    float* logits = smem + 2 * BY_ROUTER_VEC_MAX_K;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = BY_ROUTER_THREADS / 32;
+    // mean: thread (cg, rg) sums rows rg, rg + R, ... of column group cg; part[rg * k + c]
+    const long long groups = k / NV;
+    const long long cgs = groups < BY_ROUTER_THREADS ? groups : BY_ROUTER_THREADS;
+    const long long R = BY_ROUTER_THREADS / cgs, rg = t / cgs;  // R * k <= BY_ROUTER_VEC_MAX_K
+    const by_vec16* xv = (const by_vec16*)x;
+    if (rg < R) {
+        for (long long cg = t % cgs; cg < groups; cg += cgs) {
+            float acc[NV];
+#pragma unroll
+            for (int j = 0; j < NV; ++j) acc[j] = 0.f;
+#pragma unroll 4
+            for (long long r = rg; r < rows; r += R) {
+                by_vec16 q = xv[r * groups + cg];
+#pragma unroll
+                for (int j = 0; j < NV; ++j) acc[j] += by_vec_at(q, j, dtype);
+            }
+#pragma unroll
+            for (int j = 0; j < NV; ++j) part[rg * k + cg * NV + j] = acc[j];
+        }
+    }
+    __syncthreads();
+    for (long long c = t; c < k; c += BY_ROUTER_THREADS) {
+        float s = 0.f;
+        for (long long r = 0; r < R; ++r) s += part[r * k + c];
+        v[c] = mean ? by_round(s * inv_rows, dtype) : s;
+    }
+    __syncthreads();
+    // matvec: vector q of w is row (q * NV) / e, columns (q * NV) % e + [0, NV): the same columns
+    // for every q a thread takes, (lane % m) * NV with m = e / NV
+    const long long total = k * e / NV;
+    const by_vec16* wv = (const by_vec16*)w;
+    float acc[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) acc[j] = 0.f;
+#pragma unroll 4
+    for (long long q = t; q < total; q += BY_ROUTER_THREADS) {
+        by_vec16 b = wv[q];
+        float vk = v[(q * NV) / e];
+#pragma unroll
+        for (int j = 0; j < NV; ++j) acc[j] += vk * by_vec_at(b, j, dtype);
+    }
+    const int m = (int)(e / NV);
+    for (int off = 16; off >= m; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+    }
+    __syncthreads();  // part is reused
+    if (lane < m) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) part[warp * e + lane * NV + j] = acc[j];
+    }
+    __syncthreads();
+    for (long long j = t; j < e; j += BY_ROUTER_THREADS) {
+        float s = 0.f;
+        for (int wp = 0; wp < warps; ++wp) s += part[wp * e + j];
+        logits[j] = by_round(s, dtype);
+    }
+}
+
+// A router's switch index in ONE node (RouterLogits in Python), one block of BY_ROUTER_THREADS:
+//   v = mean(x[0:rows, 0:k], 0) (mean) else x[0:k]           -- rounded to dtype
+//   logits[j] = sum_c v[c] * w[c, j]  (w row-major k x e)     -- rounded to dtype
 //   i = argmax(logits) (the first maximum; the first NaN wins), then the index steps.
+// vec: the host checked the vector path's conditions (by_router_vec); else one element per load.
 extern "C" __global__ void branchyard_set_router(cudaGraphConditionalHandle h, const void* x, const void* w, int dtype,
                                                  long long rows, long long k, long long e, int mean, float inv_rows,
-                                                 int nsteps, int op0, long long a0, int op1, long long a1,
+                                                 int vec, int nsteps, int op0, long long a0, int op1, long long a1,
                                                  int op2, long long a2, int op3, long long a3, long long n) {
-    __shared__ float v[BY_ROUTER_MAX_K];
-    __shared__ float logits[BY_ROUTER_MAX_E];
-    for (long long c = threadIdx.x; c < k; c += blockDim.x) {
-        float acc = 0.f;
+    __shared__ float smem[BY_ROUTER_MAX_K + BY_ROUTER_MAX_E];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = BY_ROUTER_THREADS / 32;
+    float* logits;
+    if (vec) {
+        logits = smem + 2 * BY_ROUTER_VEC_MAX_K;
+        if (dtype == 3) by_router_vec<4>(smem, x, w, dtype, rows, k, e, mean, inv_rows);
+        else by_router_vec<8>(smem, x, w, dtype, rows, k, e, mean, inv_rows);
+    } else {
+        float* v = smem;
+        logits = smem + BY_ROUTER_MAX_K;
+        for (long long c = t; c < k; c += BY_ROUTER_THREADS) {
+            float acc = 0.f;
 #pragma unroll 8
-        for (long long r = 0; r < rows; ++r) acc += by_load_f(x, r * k + c, dtype);
-        v[c] = mean ? by_round(acc * inv_rows, dtype) : acc;
-    }
-    __syncthreads();
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (long long j = threadIdx.x >> 5; j < e; j += warps) {
-        float acc = 0.f;
+            for (long long r = 0; r < rows; ++r) acc += by_load_f(x, r * k + c, dtype);
+            v[c] = mean ? by_round(acc * inv_rows, dtype) : acc;
+        }
+        __syncthreads();
+        for (long long j = warp; j < e; j += warps) {
+            float acc = 0.f;
 #pragma unroll 4
-        for (long long c = lane; c < k; c += 32) acc += v[c] * by_load_f(w, c * e + j, dtype);
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
-        if (lane == 0) logits[j] = by_round(acc, dtype);
+            for (long long c = lane; c < k; c += 32) acc += v[c] * by_load_f(w, c * e + j, dtype);
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+            if (lane == 0) logits[j] = by_round(acc, dtype);
+        }
     }
     __syncthreads();
-    if (threadIdx.x != 0) return;
+    if (t != 0) return;
     long long best = 0;
-    float m = logits[0];
-    if (m == m) {
+    float mx = logits[0];
+    if (mx == mx) {
         for (long long j = 1; j < e; ++j) {
             float l = logits[j];
             if (l != l) { best = j; break; }
-            if (l > m) { m = l; best = j; }
+            if (l > mx) { mx = l; best = j; }
         }
     }
     const int ops[4] = {op0, op1, op2, op3};
@@ -329,6 +421,28 @@ SET_KERNEL_NAMES = (
     "branchyard_set_onehot",
     "branchyard_copy4",
 )
+
+
+#: Largest ``K`` the router kernel's vector path takes (its shared memory holds 2 x this many floats).
+ROUTER_VECTOR_MAX_K = 4096
+
+
+def router_vector_path(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the router set kernel reads ``x`` (``(rows, K)`` or ``(K,)``) and ``w`` (``(K, E)``)
+    as 16-byte vectors: both 16-byte aligned, ``K`` and ``E`` multiples of the vector's length
+    ``n``, ``E / n`` a power of two up to 32 and ``K <= ROUTER_VECTOR_MAX_K`` (else one element a load).
+
+        >>> import torch
+        >>> router_vector_path(torch.empty(16, 1024, dtype=torch.bfloat16), torch.empty(1024, 8, dtype=torch.bfloat16))
+        True
+        >>> router_vector_path(torch.empty(16, 1024), torch.empty(1024, 6))
+        False
+    """
+    n = 16 // x.element_size()
+    k, e = w.shape
+    m = e // n
+    return (x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and k % n == 0 and e % n == 0
+            and 0 < m <= 32 and m & (m - 1) == 0 and k <= ROUTER_VECTOR_MAX_K)
 
 
 def cuda_bindings_available() -> str | None:
@@ -636,9 +750,9 @@ class ConditionalBuilder:
         steps += [0, 0] * (MAX_INDEX_STEPS - len(program.steps))
         mean = isinstance(r.a, RowMean)
         args = (int(handle), x.data_ptr(), w.data_ptr(), ROUTER_DTYPE_CODES[x.dtype], r.rows, k, e, int(mean),
-                1.0 / r.rows, len(program.steps), *steps, n)
+                1.0 / r.rows, int(router_vector_path(x, w)), len(program.steps), *steps, n)
         types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
-                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                  *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
         self._launch("branchyard_set_router", args, types, block=self.ROUTER_THREADS)
         self._keepalive.append(program)

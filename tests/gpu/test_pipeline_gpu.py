@@ -82,9 +82,11 @@ def test_inductor_regions_inside_conditional_nodes(passes):
     x = torch.randn(16, 128, device=DEV)
     fast = _compile(model, (x, torch.tensor(3, device=DEV)), passes=passes, inductor=True)
     plain = _compile(model, (x, torch.tensor(3, device=DEV)), passes=passes)
-    assert fast.inductor_regions >= 2 and fast.report.captures[0].lowered, fast.report
+    # with nvgemm the RMS-norm is the one region (the router is the switch's router set kernel);
+    # without it each expert's MLP is a region too
+    assert fast.inductor_regions >= (1 if "nvgemm" in passes else 2) and fast.report.captures[0].lowered, fast.report
     nodes = fast.report.captures[0].graph_nodes, plain.report.captures[0].graph_nodes
-    if "nvgemm" in passes:  # router and RMS-norm fuse; without nvgemm Inductor's expert MLPs add memsets
+    if "nvgemm" in passes:  # the RMS-norm fuses; without nvgemm Inductor's expert MLPs add memsets
         assert nodes[0] < nodes[1], nodes
     for trips in (0, 1, 5, 40):
         t = torch.tensor(trips, device=DEV)

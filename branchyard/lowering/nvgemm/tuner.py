@@ -8,9 +8,11 @@ For one :class:`~.problem.Problem` the :class:`Autotuner`:
 2. builds each one; a build failure excludes it, with the reason logged;
 3. runs each once against the fp32 reference (wrong numerics exclude it);
 4. times the survivors the way the caller runs the op (:mod:`.timing`:
-   host-inclusive for eager calls, device-only in a CUDA graph), re-times
-   the close ones in rotating rounds and settles the closest in adjacent
-   pairs, and keeps the fastest;
+   host issue time plus device time for eager calls, so host work is paid
+   rather than hidden behind the candidate's own kernels; device-only in a
+   CUDA graph), re-times the close ones -- and, for eager calls, always the
+   unfused chain, the program the user had -- in rotating rounds, settles
+   the closest in adjacent pairs, and keeps the fastest;
 5. records the winner in the :class:`~.winners.WinnerDB`, keyed by the
    environment, spec, dtypes, layouts, ``N``, ``K``, an ``M`` bucket and the
    timing mode, so later processes skip 2-4.
@@ -48,7 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm.candidates import Candidate, default_candidates
+from branchyard.lowering.nvgemm.candidates import UNFUSED, Candidate, default_candidates
 from branchyard.lowering.nvgemm.environment import environment
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 from branchyard.lowering.nvgemm.problem import Impl, Problem, TimingMode, m_bucket
@@ -56,7 +58,7 @@ from branchyard.lowering.nvgemm.progress import ProgressBar
 from branchyard.lowering.nvgemm.timing import (
     cuda_event_timer,
     current_timing_mode,
-    host_timer,
+    eager_cost_timer,
     paired_ratio,
     time_round_robin,
 )
@@ -65,6 +67,7 @@ from branchyard.lowering.nvgemm.winners import WinnerDB
 __all__ = [
     "Autotuner",
     "CONTENDER_MARGIN",
+    "HOST_RANKING",
     "PLAYOFF_MARGIN",
     "TuneResult",
     "get_autotuner",
@@ -134,10 +137,15 @@ PLAYOFF_MARGIN = 1.05
 _EXACT_LIMIT = 4096
 
 
+#: How ``"host"`` timing ranks candidates; part of a host-mode winner's database
+#: key, so winners ranked another way (back-to-back time) are tuned again.
+HOST_RANKING = "host_issue+device"
+
+
 def _default_timer(mode: TimingMode) -> Callable[[str, Callable[[], Any]], float]:
     if mode == "device":
         return lambda name, fn: cuda_event_timer(fn)
-    return lambda name, fn: host_timer(fn)
+    return lambda name, fn: eager_cost_timer(fn)
 
 
 class Autotuner:
@@ -145,7 +153,7 @@ class Autotuner:
 
     ``candidates``: a list, or a function ``problem -> list`` (default
     :func:`~.candidates.default_candidates`); ``timer(name, fn) -> ms``
-    (default: by the timing mode, :func:`~.timing.host_timer` or
+    (default: by the timing mode, :func:`~.timing.eager_cost_timer` or
     :func:`~.timing.cuda_event_timer`); ``db`` (default :class:`~.winners.WinnerDB`
     in the cache folder); ``env`` (default :func:`~.environment.environment`);
     ``progress`` (default: env ``BRANCHYARD_NVGEMM_PROGRESS`` != ``0``);
@@ -156,8 +164,10 @@ class Autotuner:
     custom ``timer`` and no ``pair``).
 
     Every candidate is timed once; those within :data:`CONTENDER_MARGIN` of
-    the fastest are timed again in ``rounds`` round-robin rounds and ranked
-    by the median of all their timings (a GPU's clock drifts as it heats, so
+    the fastest -- in ``"host"`` timing the unfused chain (:data:`~.candidates.UNFUSED`)
+    too, wherever it was timed, so one unlucky first timing cannot drop the
+    original program from the race -- are timed again in ``rounds``
+    round-robin rounds and ranked by the median of all their timings (a GPU's clock drifts as it heats, so
     one pass in a fixed order favours whoever ran on the cooler chip). Last,
     the leader meets every candidate within :data:`PLAYOFF_MARGIN` of it in
     adjacent pairs, and the faster of each pair leads on.
@@ -201,7 +211,8 @@ class Autotuner:
         return list(c(problem) if callable(c) else c)
 
     def _env(self, problem: Problem) -> Mapping[str, str]:
-        return self.env if self.env is not None else environment(problem.device)
+        env = self.env if self.env is not None else environment(problem.device)
+        return {**env, "host_ranking": HOST_RANKING} if problem.timing == "host" else env
 
     def _timer(self, problem: Problem) -> Callable[[str, Callable[[], Any]], float]:
         return self.timer if self.timer is not None else _default_timer(problem.timing)
@@ -324,7 +335,8 @@ class Autotuner:
 
     def _rerun_contenders(self, problem, a, b_kn, operands, result, built, timer) -> None:
         best = min(result.timings.values())
-        close = [n for n, t in result.timings.items() if t <= best * CONTENDER_MARGIN]
+        close = [n for n, t in result.timings.items()
+                 if t <= best * CONTENDER_MARGIN or (n == UNFUSED and problem.timing == "host")]
         if len(close) < 2 or self.rounds < 1:
             return
         samples = time_round_robin(

@@ -24,7 +24,9 @@ the columns' blocks alternate, so host noise hits all of them alike):
 
 * ``module``     the eager ``nn.Module``
 * ``unrewritten``  ``torch.export.export(block).module()``
-* ``rewritten``  ``branchyard.lowering.nvgemm(ep).module()`` (the op tunes on warm-up)
+* ``rewritten``  ``branchyard.lowering.nvgemm(ep).module()`` eagerly (the default ``calling="eager"``:
+  on CUDA the pass races the rewritten program against ``ep`` and leaves unfused what loses;
+  the ops tune during that race), and ``nvgemm(ep, calling="graph").module()`` in the graph
 * ``compile``    ``torch.compile(block, mode="max-autotune-no-cudagraphs", dynamic=False)``
 
 each called eagerly (``*_eager``) and replayed from a CUDA graph of one call
@@ -183,19 +185,24 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
     with torch.no_grad():
         want = block(*args)
         ep = torch.export.export(block, args)
-        callers = {"module": block, "unrewritten": ep.module(), "rewritten": nvgemm(ep).module()}
+        # The rewritten program as each kind of caller gets it: the default (eager) and for CUDA graphs.
+        callers = {"module": (block, block), "unrewritten": (ep.module(),) * 2,
+                   "rewritten": (nvgemm(ep).module(), nvgemm(ep, calling="graph").module())}
         if compile_mode is not None:
-            callers["compile"] = torch.compile(block, mode=compile_mode, dynamic=False)
+            compiled = torch.compile(block, mode=compile_mode, dynamic=False)
+            callers["compile"] = (compiled, compiled)
         time_us = _timer(device, iters, repeats)
         row: dict[str, float | str] = {"block": spec.name, "m": m}
         eager, graphs = {}, {}
-        for name, fn in callers.items():
-            call = (lambda fn=fn: fn(*args))
+        for name, (eager_fn, graph_fn) in callers.items():
+            call = (lambda fn=eager_fn: fn(*args))
             _check(f"{spec.name} M={m} {name}", call(), want, dtype)  # also the host-timing warm-up / tuning
             eager[f"{name}_eager"] = call
             if device.type == "cuda":
+                in_graph = (lambda fn=graph_fn: fn(*args))
                 with nvgemm.timing_mode("device"):
-                    graphs[f"{name}_graph"] = graph_replay(call)
+                    _check(f"{spec.name} M={m} {name} (for the graph)", in_graph(), want, dtype)
+                    graphs[f"{name}_graph"] = graph_replay(in_graph)
         row.update(time_us(eager))
         row.update(time_us(graphs))
     return row

@@ -175,7 +175,8 @@ def _pass_unavailable(name: str) -> str | None:
     return None
 
 
-def _run_pass(name: str, program: torch.export.ExportedProgram, report: CompileReport) -> torch.export.ExportedProgram:
+def _run_pass(name: str, program: torch.export.ExportedProgram, report: CompileReport,
+              cuda_graph: bool = False) -> torch.export.ExportedProgram:
     from branchyard.fx.pass_infra import Pipeline
     from branchyard.registry import get_pass
 
@@ -185,6 +186,9 @@ def _run_pass(name: str, program: torch.export.ExportedProgram, report: CompileR
         report.stages.append(StageRecord(name, "skipped", 0.0, why))
         return program
     the_pass = get_pass(name)  # an unknown name is a BranchyardError naming the known ones
+    if name == "nvgemm":  # how the program will be called decides what the rewrite may cost
+        the_pass.calling = "graph" if cuda_graph else "eager"  # type: ignore[attr-defined]
+        the_pass.bind_inputs(program)  # type: ignore[attr-defined]
     try:
         result = Pipeline([the_pass])(program)
     except BranchyardError:
@@ -515,7 +519,7 @@ def compile(
     program, spec, how = _export(model, args, spec)
     report.stages.append(StageRecord("export", "ran", time.perf_counter() - start, how))
     for name in passes:
-        program = _run_pass(name, program, report)
+        program = _run_pass(name, program, report, cuda_graph=cuda_graph and _cuda_available())
     if spec is not None and getattr(program, "branchyard_shapes", None) is None:
         attached = getattr(model, "branchyard_shapes", None) if isinstance(model, torch.export.ExportedProgram) else None
         if attached is not None:

@@ -109,10 +109,11 @@ def lint_graph_module(gm: GraphModule) -> None:
             ) from exc
 
 
-def copy_graph_module(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
+def copy_graph_module(gm: GraphModule, *, lazy: bool = False, share_tensors: bool = False) -> GraphModule:
     """Copy ``gm`` and every GraphModule under it, keeping every node's name.
 
-    Tensors (parameters, buffers, constants) are deep-copied; node ``meta`` is
+    Tensors (parameters, buffers, constants) are deep-copied (with
+    ``share_tensors=True`` the copy holds the same tensors); node ``meta`` is
     copied shallowly (its fake values are never mutated); a subgraph shared by
     several parents stays shared.
 
@@ -124,7 +125,13 @@ def copy_graph_module(gm: GraphModule, *, lazy: bool = False) -> GraphModule:
     copy's modules generate code on first use; :func:`realize_graph_modules`
     makes them eager.
     """
-    copy_ = _copy_lazily(gm, {})
+    memo: dict[int, Any] = {}
+    if share_tensors:
+        for m in iter_graph_modules(gm):
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False), *vars(m).values()]:
+                if isinstance(t, torch.Tensor):
+                    memo[id(t)] = t
+    copy_ = _copy_lazily(gm, memo)
     return copy_ if lazy else realize_graph_modules(copy_)
 
 

@@ -20,6 +20,7 @@ checks):
 ``epilogue.py``           the epilogue table (match, formula, kernel formula, cuBLAS
                           coverage, eager op per row), ``EpilogueSpec``, reference semantics
 ``matcher.py``            matmul roots and the chain walk (match or reason)
+``program_race.py``       the eager race: rewritten vs unrewritten program, host time included
 ``fuse.py``               ``NvGemmPass``: rewrite each fusable chain into the fused op
 **the op**
 ``op.py``                 ``branchyard::fused_gemm_epilogue``: argument checks, the call

@@ -1,0 +1,287 @@
+"""The program-level guard of the ``nvgemm`` pass: a rewritten program called
+eagerly is never slower than the program it was made from.
+
+Each fused op is tuned so that its choice is never slower than the chain it
+replaced, but that is not enough for a program called eagerly: the op's own
+host cost (its dispatch, the lookup of its choice) is paid on every call, so
+in a host-bound program (small ``M``) replacing a few ATen ops by one fused op
+can cost more host time than it saves GPU time. So the pass races the
+programs themselves, host-inclusive, and keeps only what wins. Semantics::
+
+    def race(groups, build, compare):          # groups: the fused chains, grouped by problem
+        fused = set(groups)                    # build(fused): the program with those groups fused
+        if len(groups) > 1:
+            for g in groups:                   # greedily: each group left unfused in turn
+                with_g, without_g = compare(build(fused), build(fused - {g}))
+                if without_g < with_g:
+                    fused -= {g}
+        if fused:
+            rewritten, unrewritten = compare(build(fused), build(set()))
+            if unrewritten < rewritten:
+                fused = set()                  # the rewrite lost: the program as it was
+        return fused
+
+``compare(a, b)`` times the two programs in interleaved blocks (A/B, then
+B/A, ...) and takes each one's median, so drift and noise hit both alike.
+Chains that pose the same problem (spec, shapes, dtypes) are one group: they
+cost the same, and one decision for all of them keeps the race short in a
+model that repeats its blocks.
+
+The programs are timed the way an eager caller runs them: called back to
+back with the same inputs, synchronised at both ends of each block
+(:func:`~.timing.host_timer`), under ``torch.no_grad()`` and
+``timing_mode("host")`` (so the fused ops tune for eager calls while they
+warm up). What is timed is the program's graph called with its parameters
+and inputs; the wrapper of ``ExportedProgram.module()`` around it does the
+same work for both programs, so it cannot change which one is faster.
+
+Inputs are the program's example inputs where it has them
+(:func:`program_inputs`), else random tensors of the placeholders' example
+shapes (:func:`placeholder_inputs`); a program with symbolic sizes and no
+example inputs is not raced, and the report says so.
+
+    >>> fake_us = {frozenset(): 100.0, frozenset({"a"}): 90.0, frozenset({"b"}): 120.0,
+    ...            frozenset({"a", "b"}): 110.0}
+    >>> race = ProgramRace(timer=lambda variant: fake_us[variant.fused] / 1e3)
+    >>> result = race.run(["a", "b"], lambda fused: Variant(fused, lambda: None))
+    >>> sorted(result.fused), result.unrewritten_us, result.result_us
+    (['a'], 100.0, 90.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Literal, Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx import GraphModule
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm.timing import host_timer, paired_order, timing_mode
+
+__all__ = [
+    "CALLINGS",
+    "Calling",
+    "ProgramRace",
+    "RaceDecision",
+    "RaceResult",
+    "Variant",
+    "check_calling",
+    "placeholder_inputs",
+    "program_device",
+    "program_inputs",
+    "race_context",
+]
+
+#: How the caller runs the rewritten program: ``"eager"`` (calls from Python;
+#: host work is paid) or ``"graph"`` (replayed from a CUDA graph; it is not).
+Calling = Literal["eager", "graph"]
+CALLINGS: tuple[Calling, ...] = ("eager", "graph")
+
+
+def check_calling(calling: Any, where: str = "nvgemm") -> Calling:
+    """``calling`` if it is one of :data:`CALLINGS`, else a :class:`~branchyard.errors.LoweringError` naming it."""
+    if calling not in CALLINGS:
+        raise LoweringError(
+            f"calling={calling!r} is not a way to call a program",
+            where=where,
+            hint="use calling='eager' (called from Python) or calling='graph' (replayed from a CUDA graph)",
+        )
+    return calling
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One program in the race: the chain groups it fuses, and one call of it."""
+
+    fused: frozenset[str]
+    run: Callable[[], Any] = field(compare=False)
+
+    @property
+    def name(self) -> str:
+        return "unrewritten" if not self.fused else "fusing " + ", ".join(sorted(self.fused))
+
+
+@dataclass(frozen=True)
+class RaceDecision:
+    """One group's verdict: the program's time per call with the group fused and
+    without it (the rest as decided so far), and which was kept."""
+
+    chains: str
+    fused_us: float
+    unfused_us: float
+    kept_fused: bool
+
+    def __str__(self) -> str:
+        verdict = "fused" if self.kept_fused else "left unfused"
+        return f"{self.chains}: {verdict} ({self.fused_us:.1f} us per call fused, {self.unfused_us:.1f} us unfused)"
+
+
+@dataclass
+class RaceResult:
+    """What the race kept, every decision, and the two ends: the unrewritten
+    program's and the kept program's time per call (us)."""
+
+    fused: frozenset[str]
+    decisions: list[RaceDecision]
+    unrewritten_us: float
+    result_us: float
+
+    def decision(self, group: str) -> RaceDecision | None:
+        """The last decision about ``group`` (the one that stands)."""
+        return next((d for d in reversed(self.decisions) if d.chains == group), None)
+
+
+#: ``timer(variant) -> milliseconds per call``.
+VariantTimer = Callable[[Variant], float]
+
+
+def _default_timer(variant: Variant) -> float:
+    return host_timer(variant.run, warmup=1, reps=30, max_ms=30.0)
+
+
+@dataclass(frozen=True)
+class ProgramRace:
+    """How programs are raced: ``timer(variant)`` (ms per call; default
+    :func:`~.timing.host_timer` of short blocks of back-to-back calls),
+    ``blocks`` interleaved blocks per comparison, and the device types on
+    which a race is worth running (``devices``; on CPU the fused op runs the
+    original ATen ops, so there is nothing to win there)."""
+
+    timer: VariantTimer | None = None
+    blocks: int = 9
+    devices: tuple[str, ...] = ("cuda",)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, int) or self.blocks < 1:
+            raise LoweringError(f"blocks={self.blocks!r}: a race needs at least one block", where="ProgramRace")
+
+    def compare(self, a: Variant, b: Variant) -> tuple[float, float]:
+        """Median microseconds per call of ``a`` and ``b``, timed in interleaved blocks."""
+        timer = self.timer or _default_timer
+        times: tuple[list[float], list[float]] = ([], [])
+        pair = (a, b)
+        for order in paired_order(self.blocks):
+            for which in order:
+                times[which].append(float(timer(pair[which])) * 1e3)
+        return statistics.median(times[0]), statistics.median(times[1])
+
+    def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
+        """Race the programs ``build(fused)`` makes (see the module docstring)."""
+        groups = list(dict.fromkeys(groups))
+        decisions: list[RaceDecision] = []
+        current = build(frozenset(groups))
+        if len(groups) > 1:
+            for group in groups:
+                if group not in current.fused:
+                    continue
+                without = build(current.fused - {group})
+                with_us, without_us = self.compare(current, without)
+                keep = with_us <= without_us
+                decisions.append(RaceDecision(group, with_us, without_us, keep))
+                if not keep:
+                    current = without
+        if not current.fused:  # every group lost on its own: the last comparison timed the program as it was
+            last = decisions[-1]
+            return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
+        result_us, unrewritten_us = self.compare(current, build(frozenset()))
+        if unrewritten_us < result_us:
+            decisions += [RaceDecision(g, result_us, unrewritten_us, False) for g in groups if g in current.fused]
+            return RaceResult(frozenset(), decisions, unrewritten_us, unrewritten_us)
+        if len(groups) == 1:
+            decisions.append(RaceDecision(groups[0], result_us, unrewritten_us, True))
+        return RaceResult(current.fused, decisions, unrewritten_us, result_us)
+
+
+# --- the program's inputs ----------------------------------------------------
+
+
+def program_inputs(program: ExportedProgram | GraphModule) -> list[Any] | None:
+    """The values of an ExportedProgram's graph placeholders, in order: its
+    parameters, buffers and constants, and its example inputs where it kept
+    them (``None`` for each input it has no value for). ``None`` for a
+    GraphModule (its placeholders are its inputs; none are known)."""
+    if not isinstance(program, ExportedProgram):
+        return None
+    example = program.example_inputs
+    if example is not None:
+        try:
+            return list(program._graph_module_flat_inputs(*example))
+        except Exception:  # example inputs that no longer match: bind what the program owns
+            pass
+    values: list[Any] = []
+    for spec in program.graph_signature.input_specs:
+        target = spec.target
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            value = program.state_dict.get(target) if target in program.state_dict else program.constants.get(target)
+            values.append(value)
+        else:
+            values.append(None)
+    return values
+
+
+def _random_like(val: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    t = torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
+                            dtype=val.dtype, device=val.device)
+    if t.is_floating_point() or t.is_complex():
+        t.normal_()
+    else:
+        t.zero_()  # indices and masks: 0 is valid wherever any value is
+    return t
+
+
+def _concrete(val: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in val.shape) and all(isinstance(s, int) for s in val.stride())
+
+
+def placeholder_inputs(gm: GraphModule, given: Sequence[Any] | None = None) -> tuple[list[Any] | None, str | None]:
+    """``(values, None)``: one value per placeholder of ``gm`` -- ``given[i]``
+    where it is not ``None``, else a random tensor of the placeholder's example
+    value (``meta['val']``) -- or ``(None, why)`` where a value cannot be made."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if given is not None and len(given) != len(placeholders):
+        return None, f"{len(given)} example values for {len(placeholders)} graph inputs"
+    values: list[Any] = []
+    for i, node in enumerate(placeholders):
+        if given is not None and given[i] is not None:
+            values.append(given[i])
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            if not _concrete(val):
+                return None, (f"input '{node.name}' has symbolic sizes {list(val.shape)} and the program "
+                              "has no example inputs")
+            values.append(_random_like(val))
+        elif isinstance(val, (int, float, bool)) or val is None and not node.users:
+            values.append(val)
+        else:
+            return None, f"no example value for input '{node.name}' ({type(val).__name__})"
+    return values, None
+
+
+def program_device(gm: GraphModule, values: Sequence[Any] = ()) -> str:
+    """``"cuda"`` if any input, parameter or constant of ``gm`` (or of ``values``)
+    lives on a CUDA device, else ``"cpu"``."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    tensors += [n.meta["val"] for n in gm.graph.nodes
+                if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    tensors += list(gm.parameters()) + list(gm.buffers())
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            obj = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, torch.Tensor):
+                tensors.append(obj)
+    return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"
+
+
+@contextlib.contextmanager
+def race_context() -> Iterator[None]:
+    """Where variants run: no autograd, fused ops tuned for eager calls."""
+    with torch.no_grad(), timing_mode("host"):
+        yield

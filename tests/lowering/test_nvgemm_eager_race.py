@@ -1,0 +1,290 @@
+"""The nvgemm pass's eager race: the rewritten program, called eagerly, is
+never slower than the unrewritten one. On CPU, with injected timers that
+say which program is faster (``ProgramRace(devices=("cpu",))`` lets a CPU
+program race; by default only CUDA programs do)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import branchyard
+from branchyard.errors import LoweringError
+from branchyard.fx.pass_infra import Pipeline
+from branchyard.lowering.nvgemm import program_race as race_mod
+from branchyard.lowering.nvgemm.fuse import NvGemmPass, chain_group, nvgemm
+from branchyard.lowering.nvgemm.program_race import ProgramRace, Variant
+
+FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
+
+pytestmark = pytest.mark.filterwarnings("ignore::branchyard.lowering.nvgemm.op.NvGemmFallbackWarning")
+
+
+class Block(nn.Module):
+    """Two chains of different problems: fc1 + bias + silu, fc2 + bias + residual."""
+
+    def __init__(self, d: int = 16, h: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, d)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.silu(self.fc1(x))) + x
+
+
+def _block_ep(m: int = 4):
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(m, 16)
+    return block, x, torch.export.export(block, (x,))
+
+
+def _fused_specs(program) -> list[str]:
+    graph = program.graph if hasattr(program, "graph") else program.graph_module.graph
+    return sorted(n.args[3] for n in graph.nodes if n.target is FUSED)
+
+
+class FakeClock:
+    """A timer for the race: a program's time is ``base`` plus each fused group's
+    delta (groups named by a word of their label). Runs every variant it times,
+    checking that its output matches the unrewritten program's."""
+
+    def __init__(self, base: float, deltas: dict[str, float], reference=None):
+        self.base, self.deltas, self.reference = base, deltas, reference
+        self.timed: list[frozenset[str]] = []
+
+    def us(self, fused: frozenset[str]) -> float:
+        total = self.base
+        for group in fused:
+            total += sum(d for word, d in self.deltas.items() if word in group)
+        return total
+
+    def __call__(self, variant: Variant) -> float:
+        self.timed.append(variant.fused)
+        out = variant.run()  # an ExportedProgram's graph returns its flat outputs
+        if self.reference is not None:
+            torch.testing.assert_close(list(out), [self.reference()], rtol=1e-4, atol=1e-4)
+        return self.us(variant.fused) / 1e3
+
+
+def _race(clock: FakeClock, **kw) -> ProgramRace:
+    return ProgramRace(timer=clock, devices=("cpu",), blocks=kw.pop("blocks", 3), **kw)
+
+
+def test_a_slower_rewrite_leaves_every_chain_unfused_and_says_why():
+    block, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": 5.0, "residual": 7.0})  # each fused chain adds host time
+    p = NvGemmPass(race=_race(clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep)
+    assert _fused_specs(out.program) == [] and out.modified is False
+    assert p.report.stats["fused"] == 0
+    assert p.report.stats["race"] == ("raced eagerly: 100.0 us per call against 100.0 us unrewritten; "
+                                      "2 chain(s) left unfused")
+    left = [s for s in p.report.skips if s.reason.startswith("left unfused")]
+    assert {s.where.split("'")[1] for s in left} == {"linear", "linear_1"}
+    silu = next(s.reason for s in left if "'linear'" in s.where)
+    assert "w=nk;bias@0;silu;out=float32 [4x16 @ 32x16, 32]" in silu
+    assert "112.0 us per call fused, 107.0 us unfused" in silu  # the first greedy step, both chains fused
+    torch.testing.assert_close(out.program.module()(x), block(x))
+
+
+def test_a_faster_rewrite_keeps_every_chain():
+    block, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": -5.0, "residual": -7.0}, reference=lambda: ep.module()(x))
+    p = NvGemmPass(race=_race(clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert _fused_specs(out) == ["w=nk;bias@0;residual@1;out=float32", "w=nk;bias@0;silu;out=float32"]
+    assert p.report.stats["fused"] == 2 and not [s for s in p.report.skips if "left unfused" in s.reason]
+    assert p.race_result is not None and p.race_result.result_us == 88.0 and p.race_result.unrewritten_us == 100.0
+    assert len(p.report.stats["race_decisions"]) == 2
+    assert all(d.kept_fused for d in p.race_result.decisions)
+    torch.testing.assert_close(out.module()(x), block(x))
+
+
+def test_mixed_verdicts_keep_exactly_the_winning_chains():
+    block, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": -5.0, "residual": 9.0}, reference=lambda: ep.module()(x))
+    out = nvgemm(ep, race=_race(clock))
+    assert _fused_specs(out) == ["w=nk;bias@0;silu;out=float32"]
+    torch.testing.assert_close(out.module()(x), block(x))
+    # every program the race timed computed what the unrewritten one does (the clock checked)
+    assert {len(f) for f in clock.timed} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_additive_costs_the_race_keeps_the_best_set_and_is_never_slower(seed):
+    rng = random.Random(seed)
+    groups = [f"g{i}" for i in range(rng.randint(1, 6))]
+    delta = {g: rng.uniform(-10, 10) for g in groups}
+    us = lambda fused: 100.0 + sum(delta[g] for g in fused)  # noqa: E731
+    result = ProgramRace(timer=lambda v: us(v.fused) / 1e3, blocks=1).run(
+        groups, lambda fused: Variant(fused, lambda: None))
+    assert result.fused == frozenset(g for g in groups if delta[g] < 0)
+    assert result.result_us == pytest.approx(us(result.fused)) and result.result_us <= 100.0 + 1e-9
+    assert result.unrewritten_us == pytest.approx(100.0)
+
+
+def test_compare_interleaves_the_two_programs_and_takes_medians():
+    order: list[str] = []
+    drift = iter(range(100))
+
+    def timer(v: Variant) -> float:  # a clock that drifts up by 1 us per block
+        order.append(v.name)
+        return (10.0 * len(v.fused) + next(drift)) / 1e3
+
+    a, b = Variant(frozenset({"x"}), lambda: None), Variant(frozenset(), lambda: None)
+    a_us, b_us = ProgramRace(timer=timer, blocks=4).compare(a, b)
+    assert order == ["fusing x", "unrewritten", "unrewritten", "fusing x"] * 2
+    # a's blocks at drift 0, 3, 4, 7 and b's at 1, 2, 5, 6: equal medians apart from the 10 us
+    assert (a_us, b_us) == (pytest.approx(13.5), pytest.approx(3.5))
+
+
+def test_identical_chains_are_one_group_decided_together():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(self.b(torch.relu(self.a(x))))
+
+    x = torch.randn(4, 16)
+    ep = torch.export.export(Twice().eval(), (x,))
+    clock = FakeClock(50.0, {"relu": 3.0})
+    p = NvGemmPass(race=_race(clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert _fused_specs(out) == []
+    assert {len(f) for f in clock.timed} == {0, 1}  # one group: all fused or none
+    assert len([s for s in p.report.skips if "left unfused" in s.reason]) == 2
+    assert p.report.stats["race_decisions"] == [
+        "w=nk;bias@0;relu;out=float32 [4x16 @ 16x16, 16]: left unfused (53.0 us per call fused, 50.0 us unfused)"]
+
+
+def test_graph_calling_fuses_everything_without_a_race():
+    _, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": 50.0, "residual": 50.0})
+    p = NvGemmPass("graph", race=_race(clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert len(_fused_specs(out)) == 2 and clock.timed == []
+    assert p.report.stats["race"].startswith("not raced: calling='graph'")
+    assert len(_fused_specs(nvgemm(ep, calling="graph", race=_race(clock)))) == 2 and clock.timed == []
+
+
+def test_a_cpu_program_is_not_raced_by_default_and_the_report_says_why():
+    _, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": 50.0})
+    p = NvGemmPass(race=ProgramRace(timer=clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert len(_fused_specs(out)) == 2 and clock.timed == []
+    assert p.report.stats["race"] == ("not raced: the program runs on cpu, where the fused op runs the original "
+                                      "ATen ops (races run on cuda)")
+
+
+@pytest.mark.parametrize("bad", ["cuda_graph", "EAGER", None, 1])
+def test_a_bad_calling_value_is_an_error_naming_it(bad):
+    _, _, ep = _block_ep()
+    with pytest.raises(LoweringError, match=f"calling={bad!r} is not a way to call a program") as info:
+        nvgemm(ep, calling=bad)
+    assert "calling='eager'" in str(info.value) and "calling='graph'" in str(info.value)
+    with pytest.raises(LoweringError, match=f"NvGemmPass: calling={bad!r}"):
+        NvGemmPass(bad)
+    p = NvGemmPass()
+    with pytest.raises(LoweringError, match=f"calling={bad!r}"):
+        p.calling = bad
+
+
+def test_race_blocks_must_be_positive():
+    with pytest.raises(LoweringError, match="blocks=0"):
+        ProgramRace(blocks=0)
+
+
+def _dynamic_ep():
+    block = Block().eval()
+    x = torch.randn(6, 16)
+    return block, x, torch.export.export(block, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=2, max=64)},))
+
+
+def test_symbolic_sizes_without_example_inputs_are_not_raced():
+    _, _, ep = _dynamic_ep()
+    clock = FakeClock(10.0, {"silu": -1.0})
+    p = NvGemmPass(race=_race(clock))  # not bound to the program: its graph alone has no example inputs
+    res = p(ep.graph_module)
+    assert res.modified and clock.timed == []
+    assert re.fullmatch(r"not raced: input 'x' has symbolic sizes \[s\d+, 16\] and the program has no "
+                        r"example inputs", p.report.stats["race"])
+
+
+def test_a_dynamic_program_races_on_its_example_inputs():
+    _, _, ep = _dynamic_ep()
+    seen: list[tuple[int, ...]] = []
+    inputs = race_mod.program_inputs(ep)
+    assert inputs is not None and inputs[-1] is ep.example_inputs[0][0]
+    assert inputs[0] is ep.state_dict["fc1.weight"]  # the program's own parameters, not copies
+
+    def timer(v: Variant) -> float:
+        seen.append(tuple(v.run()[0].shape))
+        return (100.0 - len(v.fused)) / 1e3
+
+    out = nvgemm(ep, race=ProgramRace(timer=timer, devices=("cpu",), blocks=1))
+    assert len(_fused_specs(out)) == 2 and set(seen) == {(6, 16)}
+
+
+def test_a_graph_module_races_on_random_inputs_of_its_example_shapes():
+    gm = make_fx(lambda x, w, b: torch.relu(x @ w + b))(torch.randn(4, 8), torch.randn(8, 16), torch.randn(16))
+    shapes: list[tuple[int, ...]] = []
+
+    def timer(v: Variant) -> float:
+        shapes.append(tuple(v.run().shape))
+        return (20.0 + 5.0 * len(v.fused)) / 1e3
+
+    out = nvgemm(gm, race=ProgramRace(timer=timer, devices=("cpu",), blocks=1))
+    assert _fused_specs(out) == [] and set(shapes) == {(4, 16)}
+
+
+def test_placeholder_inputs_say_what_they_cannot_make():
+    gm = make_fx(lambda x, w: x @ w)(torch.randn(4, 8), torch.randn(8, 16))
+    values, why = race_mod.placeholder_inputs(gm, [None, torch.ones(8, 16)])
+    assert why is None and values[0].shape == (4, 8) and values[1] is not None and bool((values[1] == 1).all())
+    values, why = race_mod.placeholder_inputs(gm, [None])
+    assert values is None and why == "1 example values for 2 graph inputs"
+    ints = make_fx(lambda i, w: w[i])(torch.tensor([0, 1]), torch.randn(8, 16))
+    values, _ = race_mod.placeholder_inputs(ints)
+    assert values[0].dtype == torch.int64 and bool((values[0] == 0).all())  # indices stay in range
+
+
+def test_the_unrewritten_program_failing_on_race_inputs_means_no_race():
+    def f(i, x, w):
+        return torch.relu(x[i] @ w)
+
+    gm = make_fx(f)(torch.tensor([0, 1]), torch.randn(4, 8), torch.randn(8, 16))
+    p = NvGemmPass(race=ProgramRace(timer=lambda v: 1.0, devices=("cpu",)),
+                   example_inputs=[torch.tensor([7, 9]), None, None])  # out of range for x
+    assert p(gm).modified
+    assert p.report.stats["race"].startswith("not raced: the unrewritten program failed on the race inputs: ")
+
+
+def test_chain_group_names_spec_and_shapes():
+    gm = make_fx(lambda x, w, r: torch.relu(x @ w) + r)(torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16))
+    from branchyard.lowering.nvgemm.matcher import match_chain
+
+    root = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert chain_group(match_chain(root)) == "w=kn;relu;residual@0;out=float32 [4x8 @ 8x16, 4x16]"
+
+
+def test_compile_tells_the_pass_how_the_program_is_called():
+    from branchyard import compiler
+
+    block, x, _ = _block_ep()
+    fast = branchyard.compile(block, (x,), passes=("nvgemm",), cuda_graph=False)
+    (report,) = fast.report.pass_reports
+    assert report.stats["race"].startswith("not raced: the program runs on cpu")  # eager calls, CPU program
+    torch.testing.assert_close(fast(x), block(x))
+    ep = torch.export.export(block, (x,))
+    graph_report = compiler.CompileReport()
+    compiler._run_pass("nvgemm", ep, graph_report, cuda_graph=True)
+    assert graph_report.pass_reports[0].stats["race"].startswith("not raced: calling='graph'")

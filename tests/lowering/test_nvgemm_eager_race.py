@@ -288,3 +288,75 @@ def test_compile_tells_the_pass_how_the_program_is_called():
     graph_report = compiler.CompileReport()
     compiler._run_pass("nvgemm", ep, graph_report, cuda_graph=True)
     assert graph_report.pass_reports[0].stats["race"].startswith("not raced: calling='graph'")
+
+
+class Branchy(nn.Module):
+    """A chain in each branch of a torch.cond: relu after one linear, sigmoid after the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, flag):
+        return torch.cond(flag.sum() > 0, lambda t: torch.relu(self.a(t)),
+                          lambda t: torch.sigmoid(self.b(t)), (x,))
+
+
+def _all_fused_specs(gm) -> list[str]:
+    return sorted(n.args[3] for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
+                  for n in m.graph.nodes if n.target is FUSED)
+
+
+@pytest.mark.parametrize("flag", [1, -1])
+def test_chains_inside_cond_branches_race_like_top_level_ones(flag):
+    torch.manual_seed(0)
+    block = Branchy().eval()
+    x, f = torch.randn(4, 16), torch.tensor([flag])
+    ep = torch.export.export(block, (x, f))
+    clock = FakeClock(100.0, {"relu": -5.0, "sigmoid": 5.0}, reference=lambda: ep.module()(x, f))
+    out = nvgemm(ep, race=_race(clock))
+    assert _all_fused_specs(out.graph_module) == ["w=nk;bias@0;relu;out=float32"]
+    for g in (torch.tensor([1]), torch.tensor([-1])):  # both branches compute what the block does
+        torch.testing.assert_close(out.module()(x, g), block(x, g))
+
+
+def _tensors(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's own tensors: parameters, buffers and plain tensor attributes."""
+    out = dict(m.named_parameters(recurse=False)) | dict(m.named_buffers(recurse=False))
+    return out | {n: t for n, t in vars(m).items() if isinstance(t, torch.Tensor)}
+
+
+def test_a_graph_module_with_weights_as_attributes_races_without_copying_them():
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(4, 16)
+    gm = make_fx(block)(x)
+    weights = {id(t) for t in _tensors(gm).values()}
+    assert len(weights) == 4
+    held: list[set[int]] = []
+
+    def timer(v: Variant) -> float:
+        # the race's programs hold the very tensors of the program, not copies
+        owner = v.run.__defaults__[0]
+        held.append({id(t) for t in _tensors(owner).values()})
+        return (100.0 - 3.0 * len(v.fused)) / 1e3
+
+    p = NvGemmPass(race=ProgramRace(timer=timer, devices=("cpu",), blocks=1))
+    out = p(gm).graph_module
+    assert held and all(h == weights for h in held)
+    assert len(_fused_specs(out)) == 2
+    torch.testing.assert_close(out(x), block(x))
+
+
+def test_copy_graph_module_shares_tensors_only_when_asked():
+    from branchyard.fx.graph_walk import copy_graph_module
+
+    gm = make_fx(Block().eval())(torch.randn(4, 16))
+    tensors = _tensors(gm)
+    assert len(tensors) == 4
+    shared = copy_graph_module(gm, share_tensors=True)
+    copied = copy_graph_module(gm)
+    for name, t in tensors.items():
+        assert getattr(shared, name) is t
+        assert getattr(copied, name) is not t and torch.equal(getattr(copied, name), t)
+    assert [n.name for n in shared.graph.nodes] == [n.name for n in gm.graph.nodes]

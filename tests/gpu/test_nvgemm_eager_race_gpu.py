@@ -72,13 +72,15 @@ def test_rewritten_module_is_not_slower_eagerly_and_matches(fresh_tuner, m):
         rewritten = Pipeline([p])(ep).program
         report = p.report
         assert report.stats["race"].startswith("raced eagerly: "), report
-        before, after = ep.module(), rewritten.module()
-        torch.testing.assert_close(after(x), before(x), rtol=3e-2, atol=3e-2)
-        for _ in range(20):  # warm-up both
-            before(x), after(x)
-        us = _us_per_call({"unrewritten": before, "rewritten": after}, x)
+        before, after, default = ep.module(), rewritten.module(), nvgemm(ep).module()
+        for fn in (after, default):
+            torch.testing.assert_close(fn(x), before(x), rtol=3e-2, atol=3e-2)
+        for _ in range(20):  # warm-up
+            before(x), after(x), default(x)
+        us = _us_per_call({"unrewritten": before, "rewritten": after, "nvgemm(ep)": default}, x)
     print(f"M={m}: {us} | {report.stats['race']} | {report.stats.get('race_decisions')}")
     assert us["rewritten"] <= us["unrewritten"] * TOLERANCE, (us, str(report))
+    assert us["nvgemm(ep)"] <= us["unrewritten"] * TOLERANCE, us
     # the report's figures describe what the result does
     fused = sum(n.target is FUSED for n in rewritten.graph.nodes)
     assert fused == report.stats["fused"]

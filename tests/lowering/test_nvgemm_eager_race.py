@@ -337,8 +337,8 @@ def test_a_graph_module_with_weights_as_attributes_races_without_copying_them():
 
     def timer(v: Variant) -> float:
         # the race's programs hold the very tensors of the program, not copies
-        owner = v.run.__defaults__[0]
-        held.append({id(t) for t in _tensors(owner).values()})
+        held.append({id(t) for t in _tensors(v.program).values()})
+        assert len(_fused_specs(v.program)) == len(v.fused)  # the program fuses what the variant says
         return (100.0 - 3.0 * len(v.fused)) / 1e3
 
     p = NvGemmPass(race=ProgramRace(timer=timer, devices=("cpu",), blocks=1))
@@ -360,3 +360,16 @@ def test_copy_graph_module_shares_tensors_only_when_asked():
         assert getattr(shared, name) is t
         assert getattr(copied, name) is not t and torch.equal(getattr(copied, name), t)
     assert [n.name for n in shared.graph.nodes] == [n.name for n in gm.graph.nodes]
+
+
+def test_no_race_while_tracing_with_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, _, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": 50.0, "residual": 50.0})
+    p = NvGemmPass(race=_race(clock))
+    gm = ep.graph_module
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert p.run(gm)
+    assert clock.timed == [] and p.report.stats["race"] == (
+        "not raced: called while tracing with fake tensors (nothing real to time)")

@@ -219,6 +219,10 @@ class NvGemmPass(BranchyardPass):
                     f"(races run on {', '.join(self.race.devices)})")
         if device == "cuda" and not torch.cuda.is_available():
             return "the program is on CUDA but CUDA is not available here"
+        if device == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "a CUDA graph is being captured on this stream (running the program would break it)"
+        if detect_fake_mode() is not None:
+            return "called while tracing with fake tensors (nothing real to time)"
         return None
 
     def _race(self, graph_module: GraphModule) -> RaceResult | str:
@@ -244,7 +248,7 @@ class NvGemmPass(BranchyardPass):
                         m.recompile()
                 run = lambda gm=gm: gm(*inputs)  # noqa: E731
                 run()  # warm-up: the fused ops tune here, for eager calls
-                variants[fused] = Variant(fused, run)
+                variants[fused] = Variant(fused, run, gm)
             return variants[fused]
 
         with race_context():

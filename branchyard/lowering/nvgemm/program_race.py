@@ -96,10 +96,12 @@ def check_calling(calling: Any, where: str = "nvgemm") -> Calling:
 
 @dataclass(frozen=True)
 class Variant:
-    """One program in the race: the chain groups it fuses, and one call of it."""
+    """One program in the race: the chain groups it fuses, one call of it, and
+    the program itself (the pass's: a ``GraphModule``) for timers that look."""
 
     fused: frozenset[str]
     run: Callable[[], Any] = field(compare=False)
+    program: Any = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:

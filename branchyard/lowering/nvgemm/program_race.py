@@ -258,7 +258,7 @@ def placeholder_inputs(gm: GraphModule, given: Sequence[Any] | None = None) -> t
                 return None, (f"input '{node.name}' has symbolic sizes {list(val.shape)} and the program "
                               "has no example inputs")
             values.append(_random_like(val))
-        elif isinstance(val, (int, float, bool)) or val is None and not node.users:
+        elif isinstance(val, (int, float, bool)) or (val is None and not node.users):
             values.append(val)
         else:
             return None, f"no example value for input '{node.name}' ({type(val).__name__})"

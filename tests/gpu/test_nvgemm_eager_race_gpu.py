@@ -8,6 +8,7 @@ winner database, so an earlier run's choices do not decide this one."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -79,13 +80,17 @@ def test_rewritten_module_is_not_slower_eagerly_and_matches(fresh_tuner, m):
             before(x), after(x), default(x)
         us = _us_per_call({"unrewritten": before, "rewritten": after, "nvgemm(ep)": default}, x)
     print(f"M={m}: {us} | {report.stats['race']} | {report.stats.get('race_decisions')}")
-    assert us["rewritten"] <= us["unrewritten"] * TOLERANCE, (us, str(report))
-    assert us["nvgemm(ep)"] <= us["unrewritten"] * TOLERANCE, us
     # the report's figures describe what the result does
     fused = sum(n.target is FUSED for n in rewritten.graph.nodes)
     assert fused == report.stats["fused"]
     left = [s for s in report.skips if s.reason.startswith("left unfused")]
     assert fused + len(left) == 2
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Other workers share the GPU and the host: the race and the timing above measure
+        # their load (the H200 run with -n 6 saw 1-1.5 ms per call of this ~0.2 ms block).
+        pytest.skip("host-inclusive timing needs the GPU to itself: run serially (outputs and report checked)")
+    assert us["rewritten"] <= us["unrewritten"] * TOLERANCE, (us, str(report))
+    assert us["nvgemm(ep)"] <= us["unrewritten"] * TOLERANCE, us
 
 
 def test_default_nvgemm_races_a_cuda_program_and_graph_calling_does_not(fresh_tuner):

@@ -84,6 +84,14 @@ RNG_METHOD_NAMES = frozenset(
 )
 
 
+#: Nodes a switch's set kernel may compute instead of torch: (their FX targets, whether a node
+#: feeds only switch indices that way, its deferred value or None when the kernel cannot).
+_SET_KERNEL_STEPS = (
+    (INDEX_STEPS, feeds_only_switch_index, match_index_step),   # argmax, clamp, remainder
+    (ROUTER_STEPS, router_feeds_switch, match_router_step),     # a router's mean and matmul
+)
+
+
 def _in(target: Any, table: dict) -> bool:
     try:
         return target in table
@@ -239,18 +247,13 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                     self.ctx.keepalive.append(deferred)
                     return deferred
         if self.ctx.phase is Phase.CAPTURE and n.op == "call_function":
-            if _in(n.target, INDEX_STEPS) and feeds_only_switch_index(n, is_switch_node):
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                program = match_index_step(n.target, args, kwargs)
-                if program is not None:
-                    self.ctx.keepalive.append(program)
-                    return program
-            if _in(n.target, ROUTER_STEPS) and router_feeds_switch(n, is_switch_node):
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                step = match_router_step(n.target, args, kwargs)
-                if step is not None:
-                    self.ctx.keepalive.append(step)
-                    return step
+            for steps, feeds_switch, match in _SET_KERNEL_STEPS:
+                if _in(n.target, steps) and feeds_switch(n, is_switch_node):
+                    args, kwargs = self.fetch_args_kwargs_from_env(n)
+                    deferred = match(n.target, args, kwargs)
+                    if deferred is not None:
+                        self.ctx.keepalive.append(deferred)
+                        return deferred
             if not is_switch_node(n):
                 self._materialize_index_programs(n)
         try:

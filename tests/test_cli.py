@@ -258,6 +258,22 @@ def test_verbose_shows_the_branchyard_logger_with_each_step(dispatch_pt2, tmp_pa
     assert capsys.readouterr().err == ""  # quiet without -v
 
 
+def test_rewrite_gives_nvgemm_the_programs_own_values_to_race_with(dispatch_pt2, tmp_path, monkeypatch, capsys):
+    from branchyard.cli import load_program
+    from branchyard.lowering.nvgemm import NvGemmPass
+
+    bound = []
+    real = NvGemmPass.bind_inputs
+    monkeypatch.setattr(NvGemmPass, "bind_inputs", lambda self, program: bound.append(program) or real(self, program))
+    out = tmp_path / "out.pt2"
+    assert main(["rewrite", str(dispatch_pt2), "-o", str(out), "--passes", "cond_to_switch,nvgemm"]) == 0
+    (program,) = bound
+    loaded = load_program(dispatch_pt2, trusted=True)
+    assert [n.name for n in program.graph.nodes if n.op == "placeholder"] == [
+        n.name for n in loaded.graph.nodes if n.op == "placeholder"]
+    assert "race" in capsys.readouterr().out  # a CPU program: the report says why it was not raced
+
+
 def test_rewrite_shows_a_progress_bar_on_a_terminal(dispatch_pt2, tmp_path, monkeypatch, capsys):
     import io
 

@@ -139,9 +139,12 @@ def test_saving_is_linear_in_the_number_of_branches(tmp_path):
         lowered, count = lower_switches_for_save(ep)
         sizes[n] = sum(len(m.graph.nodes) for m in iter_graph_modules(lowered.graph_module))
         if n != 100:
-            start = time.perf_counter()
-            branchyard.save(ep, tmp_path / f"w{n}.pt2")
-            times[n] = time.perf_counter() - start
+            runs = []
+            for _ in range(3):  # the fastest of three: one save can stall on a shared machine
+                start = time.perf_counter()
+                branchyard.save(ep, tmp_path / f"w{n}.pt2")
+                runs.append(time.perf_counter() - start)
+            times[n] = min(runs)
     # Every branch adds one leaf and one inner graph, each of constant size.
     assert sizes[200] - sizes[100] == 2 * (sizes[100] - sizes[50])
     # Loosely (a shared machine): 4x the branches, not 16x the time.

@@ -261,10 +261,8 @@ __device__ __forceinline__ float by_round(float f, int dtype) {
     return f;
 }
 
-#define BY_ROUTER_MAX_K 8192
-#define BY_ROUTER_VEC_MAX_K 4096
-#define BY_ROUTER_MAX_E 1024
-#define BY_ROUTER_THREADS 512
+// BY_ROUTER_MAX_K, BY_ROUTER_VEC_MAX_K, BY_ROUTER_MAX_E, BY_ROUTER_THREADS: defined from the
+// Python bounds the host checks (_router_defines), so kernel and checks cannot disagree.
 struct alignas(16) by_vec16 { unsigned int w[4]; };
 // Element j of a 16-byte vector of dtype (3: 4 float32; 8, 9: 8 bfloat16 / float16).
 __device__ __forceinline__ float by_vec_at(const by_vec16& q, int j, int dtype) {
@@ -425,6 +423,18 @@ SET_KERNEL_NAMES = (
 
 #: Largest ``K`` the router kernel's vector path takes (its shared memory holds 2 x this many floats).
 ROUTER_VECTOR_MAX_K = 4096
+#: Threads of the router set kernel's one block.
+ROUTER_THREADS = 512
+
+
+def _router_defines() -> str:
+    """The router kernel's ``#define``s, from the bounds the host checks."""
+    from branchyard.lowering.cuda_graph.patterns import MAX_ARGMAX_ELEMENTS, MAX_ROUTER_K
+
+    return "".join(f"#define {name} {value}\n" for name, value in (
+        ("BY_ROUTER_MAX_K", MAX_ROUTER_K), ("BY_ROUTER_VEC_MAX_K", ROUTER_VECTOR_MAX_K),
+        ("BY_ROUTER_MAX_E", MAX_ARGMAX_ELEMENTS), ("BY_ROUTER_THREADS", ROUTER_THREADS),
+    ))
 
 
 def router_vector_path(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -466,14 +476,16 @@ def _check(result: Any, what: str) -> Any:
 
 
 def compile_set_kernels(arch: str) -> bytes:
-    """Compile :data:`SET_KERNEL_SOURCE` with NVRTC for ``arch`` (e.g. ``"sm_90"``); returns a CUBIN.
+    """Compile :data:`SET_KERNEL_SOURCE`, after the router bounds' ``#define``s, with NVRTC
+    for ``arch`` (e.g. ``"sm_90"``); returns a CUBIN.
 
     Needs only NVRTC, not a GPU, so it is testable on any machine with
     ``cuda-bindings`` and an NVRTC library.
     """
     from cuda.bindings import nvrtc
 
-    prog = _check(nvrtc.nvrtcCreateProgram(SET_KERNEL_SOURCE.encode(), b"branchyard_set.cu", 0, [], []), "nvrtcCreateProgram")
+    source = _router_defines() + SET_KERNEL_SOURCE
+    prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"branchyard_set.cu", 0, [], []), "nvrtcCreateProgram")
     opts = [b"-default-device", f"--gpu-architecture={arch}".encode()]
     try:
         status = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
@@ -717,9 +729,6 @@ class ConditionalBuilder:
         self._launch("branchyard_set_program", args, types)
         self._keepalive.append(program)
 
-    #: Threads of the router set kernel's one block.
-    ROUTER_THREADS = 512
-
     def _set_from_router(self, handle: Any, program: "IndexProgram", n: int) -> None:
         """Capture ONE router set kernel: ``handle = clamp(steps(argmax(logits)), 0, n - 1)``
         with the logits of ``program.source`` (a :class:`~.patterns.RouterLogits`)."""
@@ -754,7 +763,7 @@ class ConditionalBuilder:
         types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
                  ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
                  *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
-        self._launch("branchyard_set_router", args, types, block=self.ROUTER_THREADS)
+        self._launch("branchyard_set_router", args, types, block=ROUTER_THREADS)
         self._keepalive.append(program)
 
     def set_onehot(self, handles: list[Any], index: torch.Tensor, per_kernel: int = 8) -> None:

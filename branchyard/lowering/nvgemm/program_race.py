@@ -61,7 +61,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm.timing import host_timer, paired_order, timing_mode
+from branchyard.lowering.nvgemm.timing import host_timer, time_round_robin, timing_mode
 
 __all__ = [
     "CALLINGS",
@@ -165,12 +165,8 @@ class ProgramRace:
     def compare(self, a: Variant, b: Variant) -> tuple[float, float]:
         """Median microseconds per call of ``a`` and ``b``, timed in interleaved blocks."""
         timer = self.timer or _default_timer
-        times: tuple[list[float], list[float]] = ([], [])
-        pair = (a, b)
-        for order in paired_order(self.blocks):
-            for which in order:
-                times[which].append(float(timer(pair[which])) * 1e3)
-        return statistics.median(times[0]), statistics.median(times[1])
+        times = time_round_robin({"a": a, "b": b}, self.blocks, lambda _, variant: float(timer(variant)) * 1e3)
+        return statistics.median(times["a"]), statistics.median(times["b"])
 
     def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
         """Race the programs ``build(fused)`` makes (see the module docstring)."""

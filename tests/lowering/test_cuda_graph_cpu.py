@@ -510,6 +510,7 @@ class RecordingBuilder:
 
     def __init__(self):
         self.calls: dict[str, list[tuple]] = {"top": []}
+        self.routers: list = []  # the IndexPrograms of set_router calls
         self._where = ["top"]
 
     def _log(self, *call):
@@ -535,7 +536,7 @@ class RecordingBuilder:
         if isinstance(program.source, RouterLogits):
             r = program.source
             self._log("set_router", r.rows, tuple(r.w.shape), program.steps, n)
-            self.routers = getattr(self, "routers", []) + [program]
+            self.routers.append(program)
         else:
             self._log("set_program", program.argmax, program.steps, n)
 
@@ -579,7 +580,7 @@ def record_capture(monkeypatch, program, args, **options) -> dict[str, list[tupl
         ctx.exhausted = torch.zeros((), dtype=torch.bool)
     out = capture.ControlFlowInterpreter(gm, ctx).run(*args)
     ctx.builder.calls["result"] = out
-    ctx.builder.calls["routers"] = getattr(ctx.builder, "routers", [])
+    ctx.builder.calls["routers"] = ctx.builder.routers
     return ctx.builder.calls
 
 
@@ -658,16 +659,26 @@ def _before(gm, node, build):
     return made
 
 
-def _routed_switch(steps, write=None):
-    """A 3-way switch_module whose index is ``steps`` of its first input, with an optional
-    in-place ``write`` of that input just before the switch."""
+def _switch_indexed_by(index, **buffers):
+    """A 3-way switch_module whose index is ``index(graph, x)``, made from its first input ``x``
+    just before the switch (``buffers`` registered on the module, for ``get_attr``)."""
     from branchyard.lowering.cuda_graph.fx_builders import switch_module
 
     gm = switch_module([lambda x: x + 1, lambda x: x * 3, lambda x: x - 2], num_operands=1)
+    for name, tensor in buffers.items():
+        gm.register_buffer(name, tensor)
     sw = next(n for n in gm.graph.nodes if handler_for(n.target) is not None)
-    v = sw.args[0]
+    x = sw.args[0]
+    sw.args = (_before(gm, sw, lambda g: index(g, x)), *sw.args[1:])
+    gm.recompile()
+    return gm
 
-    def chain(g):
+
+def _routed_switch(steps, write=None):
+    """A 3-way switch whose index is ``steps`` of its first input, with an optional
+    in-place ``write`` of that input just before the switch."""
+
+    def index(g, v):
         value = v
         for target, extra in steps:
             value = g.call_function(target, (value, *extra))
@@ -675,9 +686,7 @@ def _routed_switch(steps, write=None):
             g.call_method(write, (v, -1))
         return value
 
-    sw.args = (_before(gm, sw, chain), *sw.args[1:])
-    gm.recompile()
-    return gm
+    return _switch_indexed_by(index)
 
 
 ARGMAX_ROUTER = [(torch.ops.aten.argmax.default, ()), (torch.ops.aten.clamp.default, (-1, 1)),
@@ -817,17 +826,11 @@ def test_cond_tree_module_is_what_switch_to_cond_makes(monkeypatch):
 
 # --------------------------------------------------------------------------- router set kernel (no GPU)
 def _router_switch(w, *, mean=True, write=None, keepdim=False):
-    """A 3-way switch_module whose index is ``argmax(mean(x, 0) @ w)`` (or ``argmax(x @ w)``),
+    """A 3-way switch whose index is ``argmax(mean(x, 0) @ w)`` (or ``argmax(x @ w)``),
     clamped and wrapped, with an optional in-place ``write`` of ``x`` just before the switch."""
-    from branchyard.lowering.cuda_graph.fx_builders import switch_module
-
     aten = torch.ops.aten
-    gm = switch_module([lambda y: y + 1, lambda y: y * 3, lambda y: y - 2], num_operands=1)
-    gm.register_buffer("router_w", w)
-    sw = next(n for n in gm.graph.nodes if handler_for(n.target) is not None)
-    x = sw.args[0]
 
-    def chain(g):
+    def index(g, x):
         v = g.call_function(aten.mean.dim, (x, [0], keepdim)) if mean else x
         target = aten.mm.default if keepdim else aten.matmul.default
         k = g.call_function(aten.argmax.default, (g.call_function(target, (v, g.get_attr("router_w"))),))
@@ -836,9 +839,7 @@ def _router_switch(w, *, mean=True, write=None, keepdim=False):
             g.call_method("mul_", (x, -1))
         return k
 
-    sw.args = (_before(gm, sw, chain), *sw.args[1:])
-    gm.recompile()
-    return gm
+    return _switch_indexed_by(index, router_w=w)
 
 
 def _router_reference(x, w, mean=True):

@@ -122,11 +122,27 @@ def test_with_additive_costs_the_race_keeps_the_best_set_and_is_never_slower(see
     groups = [f"g{i}" for i in range(rng.randint(1, 6))]
     delta = {g: rng.uniform(-10, 10) for g in groups}
     us = lambda fused: 100.0 + sum(delta[g] for g in fused)  # noqa: E731
-    result = ProgramRace(timer=lambda v: us(v.fused) / 1e3, blocks=1).run(
+    result = ProgramRace(timer=lambda v: us(v.fused) / 1e3, blocks=1, margin=0.0).run(
         groups, lambda fused: Variant(fused, lambda: None))
     assert result.fused == frozenset(g for g in groups if delta[g] < 0)
     assert result.result_us == pytest.approx(us(result.fused)) and result.result_us <= 100.0 + 1e-9
     assert result.unrewritten_us == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("gain_us, kept", [(1.0, False), (2.9, False), (3.1, True), (8.0, True)])
+def test_a_fused_group_must_win_by_the_margin(gain_us, kept):
+    us = {frozenset(): 100.0, frozenset({"g"}): 100.0 - gain_us}
+    result = ProgramRace(timer=lambda v: us[v.fused] / 1e3, blocks=1, margin=0.03).run(
+        ["g"], lambda fused: Variant(fused, lambda: None))
+    assert result.fused == (frozenset({"g"}) if kept else frozenset())
+    assert result.result_us == pytest.approx(100.0 - gain_us if kept else 100.0)
+    assert [d.kept_fused for d in result.decisions] == [kept]
+
+
+@pytest.mark.parametrize("margin", [-0.1, 1.0, "3%"])
+def test_a_margin_outside_zero_to_one_is_a_clear_error(margin):
+    with pytest.raises(LoweringError, match=r"margin=.*fraction in \[0, 1\)"):
+        ProgramRace(margin=margin)
 
 
 def test_compare_interleaves_the_two_programs_and_takes_medians():
@@ -228,7 +244,7 @@ def test_a_dynamic_program_races_on_its_example_inputs():
 
     def timer(v: Variant) -> float:
         seen.append(tuple(v.run()[0].shape))
-        return (100.0 - len(v.fused)) / 1e3
+        return (100.0 - 5.0 * len(v.fused)) / 1e3  # each fused chain wins 5%
 
     out = nvgemm(ep, race=ProgramRace(timer=timer, devices=("cpu",), blocks=1))
     assert len(_fused_specs(out)) == 2 and set(seen) == {(6, 16)}

@@ -8,21 +8,25 @@ in a host-bound program (small ``M``) replacing a few ATen ops by one fused op
 can cost more host time than it saves GPU time. So the pass races the
 programs themselves, host-inclusive, and keeps only what wins. Semantics::
 
-    def race(groups, build, compare):          # groups: the fused chains, grouped by problem
+    def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
+        wins = lambda fused_us, unfused_us: fused_us < unfused_us * (1 - margin)
         fused = set(groups)                    # build(fused): the program with those groups fused
         if len(groups) > 1:
             for g in groups:                   # greedily: each group left unfused in turn
                 with_g, without_g = compare(build(fused), build(fused - {g}))
-                if without_g < with_g:
+                if not wins(with_g, without_g):
                     fused -= {g}
         if fused:
             rewritten, unrewritten = compare(build(fused), build(set()))
-            if unrewritten < rewritten:
+            if not wins(rewritten, unrewritten):
                 fused = set()                  # the rewrite lost: the program as it was
         return fused
 
 ``compare(a, b)`` times the two programs in interleaved blocks (A/B, then
 B/A, ...) and takes each one's median, so drift and noise hit both alike.
+A fused variant must win by ``margin`` (a fraction of the unfused time,
+default 3%): a win smaller than the timing noise is no evidence, and on a
+tie the program as it was is the safe choice.
 Chains that pose the same problem (spec, shapes, dtypes) are one group: they
 cost the same, and one decision for all of them keeps the race short in a
 model that repeats its blocks.
@@ -152,15 +156,24 @@ class ProgramRace:
     :func:`~.timing.host_timer` of short blocks of back-to-back calls),
     ``blocks`` interleaved blocks per comparison, and the device types on
     which a race is worth running (``devices``; on CPU the fused op runs the
-    original ATen ops, so there is nothing to win there)."""
+    original ATen ops, so there is nothing to win there), and the ``margin``
+    by which a fused variant must be faster to be kept."""
 
     timer: VariantTimer | None = None
     blocks: int = 9
     devices: tuple[str, ...] = ("cuda",)
+    margin: float = 0.03
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
             raise LoweringError(f"blocks={self.blocks!r}: a race needs at least one block", where="ProgramRace")
+        if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
+            raise LoweringError(f"margin={self.margin!r}: a fraction in [0, 1) of the unfused time",
+                                where="ProgramRace")
+
+    def wins(self, fused_us: float, unfused_us: float) -> bool:
+        """Whether a fused variant timed ``fused_us`` beats ``unfused_us`` by the margin."""
+        return fused_us < unfused_us * (1 - self.margin)
 
     def compare(self, a: Variant, b: Variant) -> tuple[float, float]:
         """Median microseconds per call of ``a`` and ``b``, timed in interleaved blocks."""
@@ -179,7 +192,7 @@ class ProgramRace:
                     continue
                 without = build(current.fused - {group})
                 with_us, without_us = self.compare(current, without)
-                keep = with_us <= without_us
+                keep = self.wins(with_us, without_us)
                 decisions.append(RaceDecision(group, with_us, without_us, keep))
                 if not keep:
                     current = without
@@ -187,7 +200,7 @@ class ProgramRace:
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
         result_us, unrewritten_us = self.compare(current, build(frozenset()))
-        if unrewritten_us < result_us:
+        if not self.wins(result_us, unrewritten_us):
             decisions += [RaceDecision(g, result_us, unrewritten_us, False) for g in groups if g in current.fused]
             return RaceResult(frozenset(), decisions, unrewritten_us, unrewritten_us)
         if len(groups) == 1:

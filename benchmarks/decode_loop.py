@@ -23,6 +23,14 @@ steps (CUDA events around whole calls, median of ``--reps`` calls):
 Also the first-call cost of each branchyard column (export, passes, tuning,
 capture) and whether outputs agree with eager for 0/1/5/40 trips.
 
+``--ablate-router`` adds two columns, ``router_kernel`` and ``router_ops``:
+the full pipeline with Inductor regions, with the router (mean, GEMV, argmax)
+computed by the router set kernel at any size and never, timed in interleaved
+rounds in one process (so the two differ by the router path alone).
+``--profile`` prints, per branchyard column, the kernels one call runs and
+their device time per step (``torch.profiler``): what the step's time is
+made of, and how much of it is between kernels.
+
     python benchmarks/decode_loop.py --shapes 1024x4096 --batches 16 --json rows.jsonl
 """
 
@@ -138,6 +146,52 @@ def column(name, build, model, x, steps_t, steps, reps, dtype, row):
     print(json.dumps({k: v for k, v in row.items() if k.startswith(name)}), file=sys.stderr, flush=True)
 
 
+def kernel_profile(fn, steps: int, top: int = 12) -> str:
+    """The kernels one call of ``fn`` runs: device microseconds per step by kernel name, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals.setdefault(e.name, []).append(e.device_time)
+    rows = sorted(((sum(v), len(v), k) for k, v in totals.items()), reverse=True)
+    lines = [f"  {us / steps:8.2f} us/step  {n / steps:5.1f} x/step  {name[:100]}" for us, n, name in rows[:top]]
+    lines.append(f"  {sum(r[0] for r in rows) / steps:8.2f} us/step in {sum(r[1] for r in rows) / steps:.1f} kernels")
+    return "\n".join(lines)
+
+
+def ablate_router(model, x, steps_t, steps: int, reps: int, dtype, row: dict, rounds: int = 7) -> None:
+    """``router_kernel`` / ``router_ops``: the full pipeline (Inductor regions) with the router set kernel
+    taking every router and none, captured one after the other and timed in interleaved rounds."""
+    from branchyard.lowering.cuda_graph import patterns
+
+    bound = patterns.MAX_ROUTER_ELEMENTS
+    fns = {}
+    try:
+        for name, limit in (("router_kernel", 1 << 30), ("router_ops", 0)):
+            patterns.MAX_ROUTER_ELEMENTS = limit
+            fn = branchyard.compile(model, (x, steps_t), passes=("cond_to_switch", "nvgemm"), inductor=True)
+            for trips in (0, 1, 5, 40):  # captured here, under this bound
+                t = torch.tensor(trips, device=DEV)
+                ok, diff = agree(fn(x, t), model(x, t), dtype)
+                row.setdefault(f"{name}_agrees", {})[trips] = ok if ok else f"max diff {diff:.3g}"
+            fns[name] = fn
+    finally:
+        patterns.MAX_ROUTER_ELEMENTS = bound
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(rounds):
+        for name in fns if i % 2 == 0 else reversed(list(fns)):
+            times[name].append(time_call_ms(lambda fn=fns[name]: fn(x, steps_t), max(3, reps // rounds)))
+    for name, ts in times.items():
+        row[f"{name}_us_per_step"] = round(sorted(ts)[len(ts) // 2] * 1e3 / steps, 2)
+    print(json.dumps({k: v for k, v in row.items() if k.startswith("router_")}), file=sys.stderr, flush=True)
+
+
 def floor_us(weight_bytes: float, copy_gbs: float, empty_us: float) -> dict:
     """The step's floor: one read of the weights at the measured DRAM rate, plus an empty WHILE+SWITCH step.
 
@@ -193,6 +247,12 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
                     ),
                     model, x, steps_t, args.steps, args.reps, dtype, row,
                 )
+                if args.profile:
+                    fn = branchyard.compile(model, (x, steps_t), passes=passes, inductor=inductor)
+                    print(f"# {name}, batch {batch}: kernels per step\n"
+                          + kernel_profile(lambda: fn(x, steps_t), args.steps), flush=True)
+        if args.ablate_router:
+            ablate_router(model, x, steps_t, args.steps, args.reps, dtype, row)
         del ep
     torch._dynamo.reset()
     return row
@@ -200,11 +260,13 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
 
 COLUMNS = ["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full",
            "by_full_inductor", "by_switch_inductor"]
+#: Columns --ablate-router adds (not chosen with --columns).
+ABLATION_COLUMNS = ["router_kernel", "router_ops"]
 
 
 def markdown(rows: list[dict]) -> str:
     """A table of us/step per column, the floor, and the full pipeline's speedups (rows from --json files)."""
-    cols = [c for c in COLUMNS if any(f"{c}_us_per_step" in r or f"{c}_error" in r for r in rows)]
+    cols = [c for c in COLUMNS + ABLATION_COLUMNS if any(f"{c}_us_per_step" in r or f"{c}_error" in r for r in rows)]
     head = ["torch", "shape", "batch", *cols, "floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -222,7 +284,7 @@ def markdown(rows: list[dict]) -> str:
         cells.append(f"{r['floor_us']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     for r in rows:
-        mine = [(r[f"{c}_us_per_step"], c) for c in cols if c.startswith("by_") and f"{c}_us_per_step" in r]
+        mine = [(r[f"{c}_us_per_step"], c) for c in cols if c.startswith(("by_", "router_")) and f"{c}_us_per_step" in r]
         if not mine:
             continue
         ours = min(mine)
@@ -243,6 +305,9 @@ def main() -> None:
         "--columns", nargs="+",
         default=COLUMNS,
     )
+    p.add_argument("--ablate-router", action="store_true",
+                   help="add the router_kernel / router_ops columns (timed in interleaved rounds)")
+    p.add_argument("--profile", action="store_true", help="print each branchyard column's kernels per step")
     p.add_argument("--json", help="append one JSON row per (shape, batch) to this file")
     p.add_argument("--markdown", nargs="+", metavar="ROWS.jsonl", help="print a table of earlier --json rows and exit")
     args = p.parse_args()

@@ -261,7 +261,7 @@ __device__ __forceinline__ float by_round(float f, int dtype) {
     return f;
 }
 
-// BY_ROUTER_MAX_K, BY_ROUTER_VEC_MAX_K, BY_ROUTER_MAX_E, BY_ROUTER_THREADS: defined from the
+// BY_ROUTER_MAX_K, BY_ROUTER_VEC_MAX_K, BY_ROUTER_MAX_E, BY_ROUTER_THREADS, BY_ROUTER_W_AHEAD: from the
 // Python bounds the host checks (_router_defines), so kernel and checks cannot disagree.
 struct alignas(16) by_vec16 { unsigned int w[4]; };
 // Element j of a 16-byte vector of dtype (3: 4 float32; 8, 9: 8 bfloat16 / float16).
@@ -285,6 +285,16 @@ __device__ void by_router_vec(float* smem, const void* x, const void* w, int dty
     float* part = smem + BY_ROUTER_VEC_MAX_K;
     float* logits = smem + 2 * BY_ROUTER_VEC_MAX_K;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = BY_ROUTER_THREADS / 32;
+    // w does not depend on x: a thread's first BY_ROUTER_W_AHEAD vectors of w are loaded before
+    // the mean, so the two phases wait for memory once, not twice
+    const long long total = k * e / NV;
+    const by_vec16* wv = (const by_vec16*)w;
+    by_vec16 ahead[BY_ROUTER_W_AHEAD];
+#pragma unroll
+    for (int p = 0; p < BY_ROUTER_W_AHEAD; ++p) {
+        const long long q = t + (long long)p * BY_ROUTER_THREADS;
+        if (q < total) ahead[p] = wv[q];
+    }
     // mean: thread (cg, rg) sums rows rg, rg + R, ... of column group cg; part[rg * k + c]
     const long long groups = k / NV;
     const long long cgs = groups < BY_ROUTER_THREADS ? groups : BY_ROUTER_THREADS;
@@ -314,13 +324,20 @@ __device__ void by_router_vec(float* smem, const void* x, const void* w, int dty
     __syncthreads();
     // matvec: vector q of w is row (q * NV) / e, columns (q * NV) % e + [0, NV): the same columns
     // for every q a thread takes, (lane % m) * NV with m = e / NV
-    const long long total = k * e / NV;
-    const by_vec16* wv = (const by_vec16*)w;
     float acc[NV];
 #pragma unroll
     for (int j = 0; j < NV; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int p = 0; p < BY_ROUTER_W_AHEAD; ++p) {
+        const long long q = t + (long long)p * BY_ROUTER_THREADS;
+        if (q < total) {
+            float vk = v[(q * NV) / e];
+#pragma unroll
+            for (int j = 0; j < NV; ++j) acc[j] += vk * by_vec_at(ahead[p], j, dtype);
+        }
+    }
 #pragma unroll 4
-    for (long long q = t; q < total; q += BY_ROUTER_THREADS) {
+    for (long long q = t + (long long)BY_ROUTER_W_AHEAD * BY_ROUTER_THREADS; q < total; q += BY_ROUTER_THREADS) {
         by_vec16 b = wv[q];
         float vk = v[(q * NV) / e];
 #pragma unroll
@@ -425,6 +442,8 @@ SET_KERNEL_NAMES = (
 ROUTER_VECTOR_MAX_K = 4096
 #: Threads of the router set kernel's one block.
 ROUTER_THREADS = 512
+#: 16-byte vectors of ``w`` each thread of the vector path loads before the mean (registers).
+ROUTER_W_AHEAD = 4
 
 
 def _router_defines() -> str:
@@ -434,6 +453,7 @@ def _router_defines() -> str:
     return "".join(f"#define {name} {value}\n" for name, value in (
         ("BY_ROUTER_MAX_K", MAX_ROUTER_K), ("BY_ROUTER_VEC_MAX_K", ROUTER_VECTOR_MAX_K),
         ("BY_ROUTER_MAX_E", MAX_ARGMAX_ELEMENTS), ("BY_ROUTER_THREADS", ROUTER_THREADS),
+        ("BY_ROUTER_W_AHEAD", ROUTER_W_AHEAD),
     ))
 
 

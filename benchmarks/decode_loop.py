@@ -152,6 +152,9 @@ def kernel_profile(fn, steps: int, top: int = 12) -> str:
 
     fn()
     torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]):  # the first session can miss graph kernels
+        fn()
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()

@@ -334,10 +334,10 @@ def test_a_router_over_the_kernel_bound_runs_as_torch_kernels_with_the_same_pick
     from branchyard.lowering.cuda_graph import patterns
 
     branches = [(lambda k: lambda x: x * 2 - k)(k) for k in range(8)]
-    k = 4096  # 16 rows x 4096 + 4096 x 8 elements: over MAX_ROUTER_ELEMENTS
-    assert 16 * k + k * 8 > patterns.MAX_ROUTER_ELEMENTS
+    k, rows = 4096, 64  # 64 rows x 4096 + 4096 x 8 elements: over MAX_ROUTER_ELEMENTS
+    assert rows * k + k * 8 > patterns.MAX_ROUTER_ELEMENTS
     w = torch.randint(-2, 3, (k, 8), generator=torch.Generator().manual_seed(2)).to(DEV, torch.float32)
-    vs = _router_rows(torch.float32, True, t=12, rows=16, k=k)
+    vs = _router_rows(torch.float32, True, t=12, rows=rows, k=k)
     x = torch.randn(512, device=DEV)
     m = lower(_router_loop(branches, w), (scalar(0), x, vs))
     assert m.graph_nodes.bodies[0].by_type["KERNEL"] > 3, m.graph_nodes.summary()

@@ -910,8 +910,29 @@ def test_match_router_step_refuses_what_the_kernel_cannot_compute(monkeypatch, c
     elif case == "too_many_elements":
         monkeypatch.setattr(patterns, "MAX_ROUTER_ELEMENTS", x.numel() + w.numel() - 1)
         assert patterns.match_router_step(matmul, (patterns.RowMean(x), w), {}) is None
-    else:
+    else:  # a tensor that would record autograd history; under no_grad (the capture's mode) it would not
         assert patterns.match_router_step(matmul, (patterns.RowMean(x), w.requires_grad_()), {}) is None
+        with torch.no_grad():
+            assert patterns.match_router_step(matmul, (patterns.RowMean(x), w), {}) is not None
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_models_router_whose_weight_requires_grad_is_one_set_router_call(monkeypatch, batch):
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.passes import cond_to_switch
+
+    model = DecodeLoop(dim=32, hidden=64, num_experts=4).eval()
+    assert model.router.requires_grad  # as in any nn.Module
+    args = (torch.randn(batch, 32), torch.tensor(3))
+    ep = cond_to_switch(torch.export.export(model, args))
+    with torch.no_grad():  # as the capture runs
+        calls = record_capture(monkeypatch, ep, args)
+    (body,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls[body]] == ["set_router", "SWITCH", "step"]
+    assert calls[body][0][1:3] == (batch, (32, 4))
+    (program,) = calls["routers"]
+    assert program.source.w.requires_grad
 
 
 @pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")

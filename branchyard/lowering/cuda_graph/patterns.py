@@ -311,11 +311,9 @@ def match_index_step(target: Any, args: tuple, kwargs: dict) -> IndexProgram | N
 # --------------------------------------------------------------------------- routers
 #: Widest router input (``K``) the router set kernel holds in shared memory.
 MAX_ROUTER_K = 8192
-#: Most elements of ``x`` and ``w`` together that the router set kernel's one block reads.
-#: On the H200 the kernel beat Inductor's mean + cuBLAS's GEMV + the set kernel for a
-#: 1 x 1024 input and a 1024 x 8 router (9K elements) and lost to them at 16 x 1024 (25K):
-#: a larger router is faster as kernels spread over many blocks.
-MAX_ROUTER_ELEMENTS = 1 << 14
+#: Most elements of ``x`` and ``w`` together that the router set kernel's one block reads
+#: (a larger router is faster as kernels spread over many blocks).
+MAX_ROUTER_ELEMENTS = 1 << 17
 #: dtype -> code of the tensors a router reads (the argmax codes of the three float types).
 ROUTER_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 3, torch.bfloat16: 8, torch.float16: 9}
 #: FX targets of a router's steps.
@@ -366,8 +364,10 @@ class RouterLogits:
 
 
 def _router_tensor(t: Any) -> bool:
+    # A model's parameters require grad; the capture runs under no_grad, where that records
+    # nothing, so only a tensor that would record autograd history is refused.
     return (isinstance(t, torch.Tensor) and t.dtype in ROUTER_DTYPE_CODES and t.is_contiguous()
-            and not t.requires_grad)
+            and not (t.requires_grad and torch.is_grad_enabled()))
 
 
 def match_router_step(target: Any, args: tuple, kwargs: dict) -> "RowMean | RouterLogits | None":

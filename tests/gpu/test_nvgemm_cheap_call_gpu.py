@@ -143,3 +143,31 @@ def test_tuned_signature_skips_the_capture_query_and_replays_with_the_weight_vie
         assert first.shape == captured.shape
     finally:
         nv_tuner.set_autotuner(None)
+
+
+def test_plan_allocator_on_cuda_matches_torch_empty_on_every_device():
+    """The tuned call's output buffer on CUDA: what ``torch.empty`` makes on the
+    plan's device, also when another device is current (the fast allocator
+    only serves the current device), and inside a CUDA-graph capture (from the
+    graph's pool, like any allocation there)."""
+    for index in range(torch.cuda.device_count()):
+        device = torch.device("cuda", index)
+        alloc = op_mod._allocator((16, 128), torch.bfloat16, device)
+        for current in range(torch.cuda.device_count()):
+            with torch.cuda.device(current):
+                got = alloc()
+            assert (got.device, got.shape, got.stride(), got.dtype) == (device, (16, 128), (128, 1), torch.bfloat16)
+            assert torch._C._dispatch_keys(got) == torch._C._dispatch_keys(torch.empty(1, device=device))
+    alloc = op_mod._allocator((8, 64), torch.float32, torch.device("cuda", torch.cuda.current_device()))
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g, stream=stream):
+            buf = alloc()
+            buf.fill_(3.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    buf.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert bool((buf == 3.0).all())

@@ -288,3 +288,39 @@ def test_threads_sharing_weights_and_plans_get_their_own_results(monkeypatch, tm
     assert errors == []
     gc.collect()
     assert len(op_mod._WEIGHT_VIEWS) <= len(weights), "the churned weights' views are gone"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plan_allocator_makes_what_torch_empty_makes(dtype):
+    """The tuned call's output buffer: row-major, of the plan's shape, dtype and
+    device, a fresh tensor each call, an inference tensor under inference mode
+    (as ``torch.empty`` there); devices without a fast allocator get ``torch.empty_strided``."""
+    for shape in [(16, 128), (1, 8), (0, 4), (5, 1)]:
+        alloc = op_mod._allocator(shape, dtype, torch.device("cpu"))
+        want = torch.empty(shape, dtype=dtype)
+        got, again = alloc(), alloc()
+        assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+        assert not got.requires_grad and (got.numel() == 0 or got.data_ptr() != again.data_ptr())
+        assert torch._C._dispatch_keys(got) == torch._C._dispatch_keys(want)
+        with torch.inference_mode():
+            assert alloc().is_inference() and torch._C._dispatch_keys(alloc()) == torch._C._dispatch_keys(
+                torch.empty(shape, dtype=dtype))
+    meta = op_mod._allocator((3, 4), dtype, torch.device("meta"))()
+    assert (meta.device.type, meta.shape, meta.stride(), meta.dtype) == ("meta", (3, 4), (4, 1), dtype)
+
+
+def test_tuned_call_outputs_are_fresh_tensors(monkeypatch, tmp_path):
+    """No output is reused across calls: an eager caller keeps each result."""
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+    text = "w=kn;bias@0;relu;out=float32"
+    _tuned(tmp_path, text)
+    try:
+        w, bias = torch.randn(16, 8), torch.randn(8)
+        xs = [torch.randn(4, 16) for _ in range(3)]
+        outs = [FUSED(x, w, [bias], text) for x in xs]
+    finally:
+        tuner_mod.set_autotuner(None)
+    assert len({o.data_ptr() for o in outs}) == 3
+    for x, o in zip(xs, outs):
+        torch.testing.assert_close(o, torch.relu(x @ w + bias))
+

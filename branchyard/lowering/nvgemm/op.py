@@ -60,6 +60,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -235,6 +236,8 @@ class CallPlan:
     spans: tuple[int, ...] = ()
     #: Bytes of the output.
     out_bytes: int = 0
+    #: Makes a fresh ``[M, N]`` row-major output buffer (see :func:`_allocator`).
+    alloc: Callable[[], torch.Tensor] | None = None
 
 
 #: Call signatures remembered before the table starts over (serving with many M).
@@ -282,6 +285,34 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+try:  # the allocators Inductor's generated code calls: empty_strided without the dispatcher
+    from torch._C._dynamo.guards import _empty_strided_cpu, _empty_strided_cuda
+except ImportError:  # pragma: no cover - a torch without them
+    _empty_strided_cpu = _empty_strided_cuda = None
+_cuda_current_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Callable[[], torch.Tensor]:
+    """A function making what ``torch.empty(shape, dtype=dtype, device=device)``
+    makes (row-major, uninitialised), without the dispatcher and the factory's
+    argument parsing on CPU and CUDA. The CUDA one allocates on the current
+    device, so it serves calls while that is ``device``; others, and other
+    devices, get ``torch.empty_strided``."""
+    stride = _row_major(shape)
+    slow = functools.partial(torch.empty_strided, shape, stride, dtype=dtype, device=device)
+    if device.type == "cpu" and _empty_strided_cpu is not None:
+        return functools.partial(_empty_strided_cpu, shape, stride, dtype)
+    if device.type == "cuda" and _empty_strided_cuda is not None and _cuda_current_device is not None:
+        fast = functools.partial(_empty_strided_cuda, shape, stride, dtype)
+        index = device.index
+
+        def alloc() -> torch.Tensor:
+            return fast() if _cuda_current_device() == index else slow()
+
+        return alloc
+    return slow
+
+
 def _span(t: torch.Tensor) -> int:
     """How many bytes from ``t.data_ptr()`` the elements of ``t`` reach (0 for an empty tensor)."""
     if t.numel() == 0:
@@ -300,7 +331,7 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
                     nk=plan.nk, op_shapes=op_shapes if any(reshape_ops) else None, out_dtype=s.out_dtype,
                     device=a.device, b_meta=(b.shape, b.stride()), out_stride=_row_major(out_shape),
                     spans=tuple(_span(t) for t in (a, b, *operands)),
-                    out_bytes=m * n * s.out_dtype.itemsize)
+                    out_bytes=m * n * s.out_dtype.itemsize, alloc=_allocator((m, n), s.out_dtype, a.device))
     if m == 0:
         call.reason = "M = 0: nothing to compute"
         return call
@@ -414,8 +445,7 @@ def _fused_gemm_epilogue(
         return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
     if out is not None:
         return _launch_into(out, call, impl, a2d, b_kn, ops2d, (a, b, *operands))
-    # empty_strided: the same row-major buffer as torch.empty, without its memory-format argument parsing
-    out = torch.empty_strided((call.m, call.n), (call.n, 1), dtype=call.out_dtype, device=call.device)
+    out = call.alloc()
     res = impl(a2d, b_kn, ops2d, out)
     res = out if res is None else res
     return res.reshape(call.out_shape) if call.reshape_a else res
@@ -485,7 +515,7 @@ def _launch_into(out: torch.Tensor, call: CallPlan, impl: Impl, a2d, b_kn, ops2d
     if direct:
         buf = out.view(call.m, call.n) if call.reshape_a else out
     else:
-        buf = torch.empty_strided((call.m, call.n), (call.n, 1), dtype=call.out_dtype, device=call.device)
+        buf = call.alloc()
     res = impl(a2d, b_kn, ops2d, buf)
     if res is None or res is buf:
         if direct:

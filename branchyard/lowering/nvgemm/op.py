@@ -245,13 +245,47 @@ _PLANS_LIMIT = 4096
 
 
 def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, mode: str) -> tuple:
-    """The key of a call's :class:`CallPlan`: everything a plan depends on, built
-    from attributes that cost no dispatcher call (a list grown in place, then one
-    tuple: cheaper than nested tuples or a comprehension)."""
+    """The key of a call's :class:`CallPlan`: everything a plan depends on --
+    ``(spec, mode)``, then ``(shape, stride, dtype, device)`` of ``a``, ``b`` and
+    each operand, flat -- built from attributes that cost no dispatcher call."""
+    n = len(operands)
+    return (_KEYS[n] if n < len(_KEYS) else _key_any)(spec, mode, a, b, operands)
+
+
+def _key_any(spec, mode, a, b, operands) -> tuple:
     key = [spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device]
     for t in operands:
         key += (t.shape, t.stride(), t.dtype, t.device)
     return tuple(key)
+
+
+# The same key for 0-3 operands, each as one tuple display: no list to grow and
+# copy, no loop.
+def _key0(spec, mode, a, b, operands) -> tuple:
+    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
+
+
+def _key1(spec, mode, a, b, operands) -> tuple:
+    (o,) = operands
+    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            o.shape, o.stride(), o.dtype, o.device)
+
+
+def _key2(spec, mode, a, b, operands) -> tuple:
+    o, p = operands
+    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            o.shape, o.stride(), o.dtype, o.device, p.shape, p.stride(), p.dtype, p.device)
+
+
+def _key3(spec, mode, a, b, operands) -> tuple:
+    o, p, q = operands
+    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            o.shape, o.stride(), o.dtype, o.device, p.shape, p.stride(), p.dtype, p.device,
+            q.shape, q.stride(), q.dtype, q.device)
+
+
+#: The key builder per operand count (:func:`_key_any` past its end).
+_KEYS = (_key0, _key1, _key2, _key3)
 
 
 def _as_2d(plan: _SpecPlan, call: CallPlan, a, b, operands):
@@ -417,7 +451,8 @@ def _fused_gemm_epilogue(
     """
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
-    key = _signature(a, b, operands, spec, mode)
+    n_ops = len(operands)
+    key = (_KEYS[n_ops] if n_ops < 4 else _key_any)(spec, mode, a, b, operands)  # _signature, one call fewer
     call = tuner.call_plans.get(key)
     if call is None:
         call = _first_sight(a, b, operands, spec, mode, key, tuner)

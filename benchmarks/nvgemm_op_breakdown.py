@@ -58,7 +58,7 @@ def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:
             "signature": lambda: op_mod._signature(a, w, ops, spec, "host"),
             "plan_lookup": lambda: tuner.call_plans.get(key),
             "empty_strided": lambda: torch.empty_strided((16, 128), (128, 1), dtype=dtype, device=call.device),
-            "weight_view": lambda: op_mod._weight_kn(call, w, w.data_ptr()),
+            "weight_view": lambda: op_mod._weight_t(call, w, w.data_ptr()),
             "data_ptr_x3": lambda: (a.data_ptr(), w.data_ptr(), bias.data_ptr()),
         }
         got: dict[str, Any] = {name: _us(fn, calls) for name, fn in pieces.items()}

@@ -361,11 +361,25 @@ def _cutedsl_build(problem: Problem, config: Any) -> Impl:
         operand_dtypes=list(problem.operand_dtypes),
     )
 
-    def impl(a, b_kn, operands, out):
-        fn(a, b_kn, list(operands), out)
+    return _KernelImpl(fn)
+
+
+class _KernelImpl:
+    """The :data:`~.problem.Impl` of a compiled fused kernel (it writes ``out``
+    and returns it), with the kernel's ``bind`` (the launch alone, for the op's
+    call plans: see ``op.CallPlan.launch``)."""
+
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __call__(self, a, b_kn, operands, out):
+        self.kernel(a, b_kn, list(operands), out)
         return out
 
-    return impl
+    def bind(self, a, b_kn, operands, out) -> Callable[..., None]:
+        return self.kernel.bind(a, b_kn, list(operands), out)
 
 
 def _small_m_applies(problem: Problem, rows: int = 16) -> str | None:

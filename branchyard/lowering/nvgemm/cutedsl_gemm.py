@@ -265,6 +265,10 @@ def _load(directory: Any) -> Any:
     return getattr(module, function)
 
 
+def _no_launch(a: Any, b_nk: Any, operands: Sequence[Any], out: Any) -> None:
+    """The launch of an empty problem (M = 0): nothing."""
+
+
 class _FusedGemm:
     """The callable :func:`compile_fused_gemm` returns (one spec, dtype, layout, config)."""
 
@@ -325,7 +329,9 @@ class _FusedGemm:
                 where="compile_fused_gemm",
             ) from exc
 
-    def __call__(self, a: Any, b_kn: Any, operands: Sequence[Any], out: Any) -> None:
+    def _checked(self, a: Any, b_kn: Any, operands: Sequence[Any], out: Any) -> tuple[Any, Any]:
+        """``(b_kn.t(), the compiled variant)`` for these arguments, after the
+        checks a launch needs (all of them fixed by shapes, strides and dtypes)."""
         if len(operands) != self.num_operands:
             raise LoweringError(
                 f"{len(operands)} operand tensors for a kernel built for {self.num_operands}",
@@ -345,11 +351,30 @@ class _FusedGemm:
                 f"match a row-major a/out and a {self.b_layout!r} weight",
                 where="fused gemm launch",
             )
-        compiled = self.variant(tuple(dtype_name(t.dtype) for t in operands))
+        return b_nk, self.variant(tuple(dtype_name(t.dtype) for t in operands))
+
+    def __call__(self, a: Any, b_kn: Any, operands: Sequence[Any], out: Any) -> None:
+        b_nk, compiled = self._checked(a, b_kn, operands, out)
         if a.shape[0] == 0:
             return  # nothing to compute (and no empty grid to launch)
         # A trailing scalar keeps the operand tuple non-empty (the DSL cannot pass an empty one).
         compiled(a, b_nk, out, (*operands, 0.0))
+
+    def bind(self, a: Any, b_kn: Any, operands: Sequence[Any], out: Any) -> Callable[[Any, Any, Sequence[Any], Any], None]:
+        """``self(a, b_kn, operands, out)``'s checks and variant lookup, done now,
+        and the launch alone for later calls whose tensors have these shapes,
+        strides and dtypes (what the op's call plans keep):
+        ``launch(a, b_nk, operands, out)``, the weight given as the kernel reads
+        it, ``[N, K]`` (``b_kn.t()``: the op passes an ``[N, K]`` weight as it is).
+        Raises what ``self(...)`` raises for these arguments."""
+        _, compiled = self._checked(a, b_kn, operands, out)
+        if a.shape[0] == 0:
+            return _no_launch
+
+        def launch(a: Any, b_nk: Any, operands: Sequence[Any], out: Any) -> None:
+            compiled(a, b_nk, out, (*operands, 0.0))
+
+        return launch
 
     @property
     def name(self) -> str:

@@ -222,13 +222,19 @@ class CallPlan:
     spec: EpilogueSpec | None = None
     #: The weight is ``[N, K]``: the impl gets its transpose.
     nk: bool = False
+    #: What a call runs: ``launch(a2d, weight, ops2d, out)``, ``impl`` itself or, where
+    #: the impl has a ``bind`` (the fused kernels), the launch alone that it returned
+    #: for this signature, which takes the weight ``[N, K]`` (``b_kn.t()``).
+    launch: Callable[..., object] | None = None
+    #: ``launch`` gets the weight's transpose (see :func:`_weight_t`), else the weight as given.
+    weight_t: bool = False
     #: Per operand the shape it is reshaped to, ``None`` where it is passed as is;
     #: ``None`` for the whole tuple when no operand is reshaped.
     op_shapes: tuple[tuple[int, ...] | None, ...] | None = None
     out_dtype: torch.dtype | None = None
     device: torch.device | None = None
-    #: The weight's ``(shape, stride)`` (what a remembered ``[K, N]`` view must have
-    #: been made from, see :func:`_weight_kn`).
+    #: The weight's ``(shape, stride)`` (what a remembered transposed view must have
+    #: been made from, see :func:`_weight_t`).
     b_meta: tuple | None = None
     #: The output's row-major strides (what an ``out=`` buffer must have to be written directly).
     out_stride: tuple[int, ...] = ()
@@ -378,6 +384,14 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
         call.impl = tuner.select(a2d, b_kn, ops2d, s, spec_text, mode)
     except LoweringError as exc:  # every candidate failed to build or to match the reference
         call.reason = f"autotuning found no working implementation: {exc}"
+        return call
+    call.launch, call.weight_t = call.impl, plan.nk
+    bind = getattr(call.impl, "bind", None)
+    if bind is not None:
+        try:
+            call.launch, call.weight_t = bind(a2d, b_kn, ops2d, call.alloc()), not plan.nk
+        except LoweringError:  # a call raises it too, from the impl, as without bind
+            pass
     return call
 
 
@@ -406,16 +420,18 @@ def _first_sight(a, b, operands, spec: str, mode: TimingMode, key: tuple, tuner:
     return call
 
 
-#: ``id(weight) -> (weakref, data_ptr, (shape, stride), [K, N] view)`` for the
-#: ``[N, K]`` weights the op has run (see :func:`_weight_kn`).
+#: ``id(weight) -> (weakref, data_ptr, (shape, stride), transposed view)`` for the
+#: weights the op has run whose plan launches their transpose (see :func:`_weight_t`).
 _WEIGHT_VIEWS: dict[int, tuple] = {}
 #: Weights remembered before the table starts over.
 _WEIGHTS_LIMIT = 4096
 
 
-def _weight_kn(call: CallPlan, b: torch.Tensor, b_ptr: int) -> torch.Tensor:
-    """``b.t()`` for an ``[N, K]`` weight, made once per weight: a weight is the
-    same tensor call after call, and a view costs a dispatcher call.
+def _weight_t(call: CallPlan, b: torch.Tensor, b_ptr: int) -> torch.Tensor:
+    """``b.t()``, made once per weight (the ``[K, N]`` view of an ``[N, K]``
+    weight for an impl, the ``[N, K]`` view of a ``[K, N]`` one for a bound
+    kernel launch): a weight is the same tensor call after call, and a view
+    costs a dispatcher call.
 
     The view is of ``b.detach()``, so it does not keep ``b`` alive, and a
     weakref callback drops it with ``b``. It is used while ``b`` is the same
@@ -447,7 +463,8 @@ def _fused_gemm_epilogue(
 
     A known signature costs one key, one dict lookup, the views the impl takes
     (the weight's is remembered), a pointer-alignment check, the output
-    allocation (or ``out``'s checks) and the launch.
+    allocation (or ``out``'s checks) and the plan's launch (for our fused
+    kernels, the launch alone: their checks ran when the plan was made).
     """
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
@@ -469,7 +486,7 @@ def _fused_gemm_epilogue(
         return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
     a2d = a.reshape(call.m, call.k) if call.reshape_a else a
     b_ptr = b.data_ptr()
-    b_kn = _weight_kn(call, b, b_ptr) if call.nk else b
+    weight = _weight_t(call, b, b_ptr) if call.weight_t else b
     shapes = call.op_shapes
     ops2d = operands if shapes is None else [t if s is None else t.reshape(s) for t, s in zip(operands, shapes)]
     ptrs = a2d.data_ptr() | b_ptr
@@ -479,9 +496,9 @@ def _fused_gemm_epilogue(
         _say_once("a pointer is not 16-byte aligned")
         return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
     if out is not None:
-        return _launch_into(out, call, impl, a2d, b_kn, ops2d, (a, b, *operands))
+        return _launch_into(out, call, a2d, weight, ops2d, (a, b, *operands))
     out = call.alloc()
-    res = impl(a2d, b_kn, ops2d, out)
+    res = call.launch(a2d, weight, ops2d, out)
     res = out if res is None else res
     return res.reshape(call.out_shape) if call.reshape_a else res
 
@@ -539,8 +556,8 @@ def _overlaps(start: int, end: int, spans: tuple[int, ...], inputs: tuple[torch.
     return False
 
 
-def _launch_into(out: torch.Tensor, call: CallPlan, impl: Impl, a2d, b_kn, ops2d, inputs: tuple) -> torch.Tensor:
-    """Run the tuned ``impl`` so that its result lands in ``out`` (shape, dtype and
+def _launch_into(out: torch.Tensor, call: CallPlan, a2d, weight, ops2d, inputs: tuple) -> torch.Tensor:
+    """Run the plan's launch so that its result lands in ``out`` (shape, dtype and
     device checked): straight into it where it is an aligned row-major buffer no
     input overlaps, else into a fresh buffer that is then copied (as when the impl
     returns a tensor of its own)."""
@@ -551,7 +568,7 @@ def _launch_into(out: torch.Tensor, call: CallPlan, impl: Impl, a2d, b_kn, ops2d
         buf = out.view(call.m, call.n) if call.reshape_a else out
     else:
         buf = call.alloc()
-    res = impl(a2d, b_kn, ops2d, buf)
+    res = call.launch(a2d, weight, ops2d, buf)  # type: ignore[misc]
     if res is None or res is buf:
         if direct:
             torch._C._increment_version((out,))  # written through a pointer: autograd's in-place bookkeeping

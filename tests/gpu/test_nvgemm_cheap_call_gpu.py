@@ -6,7 +6,9 @@ a CUDA graph with its remembered weight view; the ``triton:inductor``
 candidate compiles more than eight chains in one process with no Dynamo frame,
 its calls leave Dynamo's counters alone, a compiled shape captures into a CUDA
 graph, and a shape first seen inside a capture runs the eager chain
-(capturable) instead of compiling.
+(capturable) instead of compiling; the plan's output allocator on every
+device and in a capture; our kernel's bound launch (both weight layouts, the
+small-M kernel) eagerly, into ``out`` and replayed.
 
 Skipped without CUDA (tests/gpu/conftest.py). Inductor runs in its default
 mode here (max-autotune takes minutes per shape)."""
@@ -25,7 +27,9 @@ from branchyard.lowering.nvgemm import op as op_mod
 from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
+from branchyard.lowering.nvgemm.kernel_config import GemmConfig, GemvConfig
 from branchyard.lowering.nvgemm.problem import Problem
+from nvgemm_gpu_support import needs_cutedsl
 
 TOL = dict(rtol=2e-2, atol=2e-2)
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
@@ -171,3 +175,49 @@ def test_plan_allocator_on_cuda_matches_torch_empty_on_every_device():
     g.replay()
     torch.cuda.synchronize()
     assert bool((buf == 3.0).all())
+
+
+@needs_cutedsl
+@pytest.mark.parametrize("config,layout,m", [(GemmConfig(128, 128), "nk", 64), (GemmConfig(128, 128), "kn", 64),
+                                              (GemvConfig(16, 8), "nk", 16)], ids=["tiled-nk", "tiled-kn", "gemv"])
+def test_fused_kernel_plan_launches_bound_eagerly_into_out_and_replayed(tmp_path, config, layout, m):
+    """Our kernel as the only candidate: the plan keeps its bound launch (an
+    ``[N, K]`` weight passed as it is, a ``[K, N]`` one through its remembered
+    view), and eager calls, a 3-D input, the ``out=`` overload and a CUDA-graph
+    replay after the weight changed in place all match the reference."""
+    import functools
+
+    ours = nv_candidates.Candidate(f"cutedsl:{config.name}",
+                                   functools.partial(nv_candidates._cutedsl_build, config=config))
+    tuner = nv_tuner.Autotuner([ours], db=nv_winners.WinnerDB(tmp_path), progress=False)
+    nv_tuner.set_autotuner(tuner)
+    try:
+        a, w, ops, spec = _case("bias@0;gelu_tanh;residual@1", m, 256, 128, seed=11, layout=layout)
+        text = str(spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NvGemmFallbackWarning)
+            for x in (a, a * 0.5, a * 2):
+                torch.testing.assert_close(FUSED(x, w, ops, text).float(),
+                                           reference_fused_gemm(x, w, ops, spec).float(), **TOL)
+            (call,) = tuner.call_plans.values()
+            assert call.launch is not call.impl and call.weight_t == (layout == "kn")
+            a3, res3 = a.reshape(2, m // 2, 128), ops[1].reshape(2, m // 2, 256)
+            got3 = FUSED(a3, w, [ops[0], res3], text)
+            torch.testing.assert_close(got3.reshape(m, 256).float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
+            buf = torch.empty(m, 256, dtype=a.dtype, device="cuda")
+            assert torch.ops.branchyard.fused_gemm_epilogue.out(a, w, ops, text, out=buf) is buf
+            torch.testing.assert_close(buf.float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                FUSED(a, w, ops, text)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = FUSED(a, w, ops, text)
+        w.mul_(0.5)  # in place: the launch reads the weight's storage, not a copy
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured.float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
+    finally:
+        nv_tuner.set_autotuner(None)

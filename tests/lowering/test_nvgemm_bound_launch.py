@@ -175,3 +175,41 @@ def test_an_impl_whose_bind_refuses_runs_unbound(monkeypatch, tmp_path):
     finally:
         tuner_mod.set_autotuner(None)
     assert calls[-1] is w, "the unbound impl gets b_kn, the weight as given for w=kn"
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_the_tuner_times_a_kernel_as_the_op_calls_it(tmp_path, refuse):
+    """A candidate with a ``bind`` is checked against the reference through its
+    call, then timed through the launch its bind returns -- what the op's plan
+    runs -- with the weight ``[N, K]``; where bind refuses, through its call."""
+    calls = []
+
+    class Kernel:
+        def __call__(self, a, b_kn, ops, out):
+            calls.append("call")
+            out.copy_(torch.relu(a @ b_kn + ops[0]))
+            return out
+
+        def bind(self, a, b_kn, ops, out):
+            if refuse:
+                raise LoweringError("no", where="test")
+
+            def launch(a2, b_nk, ops2, out2):
+                calls.append("launch")
+                assert (b_nk.data_ptr(), b_nk.shape, b_nk.stride()) == (
+                    b_kn.data_ptr(), b_kn.t().shape, b_kn.t().stride())
+                out2.copy_(torch.relu(a2 @ b_nk.t() + ops2[0]))
+
+            return launch
+
+    def timer(name, fn):
+        fn()
+        fn()
+        return 1.0
+
+    tuner = Autotuner([Candidate("k", lambda p: Kernel())], timer=timer, db=WinnerDB(tmp_path),
+                      env={"gpu": "t"}, progress=False)
+    spec = EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")
+    res = tuner.tune(torch.randn(4, 8), torch.randn(16, 8).t(), [torch.randn(16)], spec, mode="host")
+    assert res.winner == "k"
+    assert calls == ["call"] + (["call", "call"] if refuse else ["launch", "launch"])

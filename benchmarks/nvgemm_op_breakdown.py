@@ -3,8 +3,9 @@
 Companion of ``nvgemm_op_overhead.py`` (same no-op implementation, so nothing
 launches): the whole call through the dispatcher (``op``), the op's own
 Python (``body``), and the pieces of the body -- the timing-mode lookup, the
-call's key, the plan lookup, the output allocation, the weight view, pointer
-reads -- each in a loop of its own. Also says whether the Autograd kernel
+call's key, the plan lookup, the output allocation (the plan's allocator, and
+``torch.empty_strided`` beside it), the weight view, pointer reads -- each in a
+loop of its own. Also says whether the Autograd kernel
 takes its direct path for these tensors. Microseconds per call, median of 7
 blocks::
 
@@ -58,6 +59,7 @@ def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:
             "signature": lambda: op_mod._signature(a, w, ops, spec, "host"),
             "plan_lookup": lambda: tuner.call_plans.get(key),
             "empty_strided": lambda: torch.empty_strided((16, 128), (128, 1), dtype=dtype, device=call.device),
+            "plan_alloc": call.alloc,  # what the op allocates its output with
             "weight_view": lambda: op_mod._weight_t(call, w, w.data_ptr()),
             "data_ptr_x3": lambda: (a.data_ptr(), w.data_ptr(), bias.data_ptr()),
         }

@@ -935,6 +935,50 @@ def test_a_models_router_whose_weight_requires_grad_is_one_set_router_call(monke
     assert program.source.w.requires_grad
 
 
+@functools.lru_cache(maxsize=None)
+def _dynamic_decode_program(max_batch: int, dim: int = 256):
+    """A decode loop (4 experts) exported with a dynamic batch of 1..max_batch (read-only: shared)."""
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.passes import cond_to_switch
+    from branchyard.shapes import ShapeVar, dynamic_spec, export
+
+    model = DecodeLoop(dim=dim, hidden=64, num_experts=4).eval()
+
+    @dynamic_spec({"x": (ShapeVar("batch", min=1, max=max_batch), dim)})
+    def decode(x, steps):
+        return model(x, steps)
+
+    return cond_to_switch(export(decode, (torch.randn(4, dim), torch.tensor(3))))
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+@pytest.mark.parametrize("max_batch, left_out", [(64, True), (1 << 20, False)])
+def test_a_dynamic_batch_router_stays_out_of_inductor_regions_while_its_range_fits(max_batch, left_out):
+    from branchyard.fx.graph_walk import copy_graph_module
+    from branchyard.lowering.cuda_graph import patterns
+    from branchyard.lowering.cuda_graph.inductor_regions import fuse_regions
+
+    assert (max_batch * 256 + 256 * 4 <= patterns.MAX_ROUTER_ELEMENTS) is left_out
+    gm = copy_graph_module(_dynamic_decode_program(max_batch).module(), share_tensors=True)  # the program is shared
+    fuse_regions(gm)
+    body = gm.get_submodule("while_loop_body_graph_0")
+    left = [n.target for n in body.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.mean.dim in left and torch.ops.aten.matmul.default in left) is left_out
+    assert torch.ops.aten.argmax.default in left  # 4 logits: the set kernel's argmax either way
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_each_capture_of_a_dynamic_batch_runs_the_router_in_the_set_kernel(monkeypatch, batch):
+    ep = _dynamic_decode_program(64)
+    args = (torch.randn(batch, 256), torch.tensor(3))
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, ep, args)
+    (body,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls[body]] == ["set_router", "SWITCH", "step"]
+    assert calls[body][0][1:3] == (batch, (256, 4))
+
+
 @pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
 def test_the_router_steps_stay_out_of_inductor_regions():
     from branchyard.examples.decode_loop import DecodeLoop

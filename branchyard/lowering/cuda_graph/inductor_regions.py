@@ -40,6 +40,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from branchyard.fx.size_bounds import upper_bound
+
 __all__ = ["InductorRegion", "fuse_regions"]
 
 logger = logging.getLogger("branchyard")
@@ -111,9 +113,9 @@ def _set_kernel_argmax(node: Node) -> bool:
     if INDEX_STEPS.get(node.target) != "argmax" or not node.args or not isinstance(node.args[0], Node):
         return False
     src = node.args[0].meta.get("val")
-    numel = src.numel() if isinstance(src, torch.Tensor) else None
-    if not isinstance(numel, int) or numel > MAX_ARGMAX_ELEMENTS:
-        return False  # symbolic or large: Inductor's reduction is the better kernel
+    most = upper_bound(src.numel()) if isinstance(src, torch.Tensor) else None
+    if most is None or most > MAX_ARGMAX_ELEMENTS:
+        return False  # large, or unbounded: Inductor's reduction is the better kernel
     return feeds_only_switch_index(node, is_switch_node)
 
 
@@ -135,8 +137,9 @@ def _set_kernel_router(node: Node) -> bool:
     vals = [a.meta.get("val") if isinstance(a, Node) else None for a in (head, matmul.args[1])]
     if not all(isinstance(v, torch.Tensor) and v.dtype in ROUTER_DTYPE_CODES for v in vals):
         return False
-    total = sum(v.numel() for v in vals)
-    return isinstance(total, int) and total <= MAX_ROUTER_ELEMENTS  # symbolic sizes: not known now
+    # a dynamic batch: the largest its range allows (the capture checks each shape's own size)
+    most = upper_bound(sum(v.numel() for v in vals))
+    return most is not None and most <= MAX_ROUTER_ELEMENTS
 
 
 def _fuse_one(gm: GraphModule) -> int:

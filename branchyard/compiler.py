@@ -360,9 +360,14 @@ class CompiledProgram(torch.nn.Module):
         self._gm = program.module()
         self.inductor_regions = 0
         if graph_options.pop("inductor", False):
+            from branchyard.fx.graph_walk import copy_graph_module
             from branchyard.lowering.cuda_graph.inductor_regions import fuse_regions
 
             start = time.perf_counter()
+            # ``program.module()`` shares its control-flow bodies with ``program``: fuse regions
+            # in a copy of the graphs (same tensors), so the program (the caller's, when an
+            # ExportedProgram is given) keeps its ATen graph.
+            self._gm = copy_graph_module(self._gm, share_tensors=True)
             self.inductor_regions = fuse_regions(self._gm)
             report.stages.append(
                 StageRecord(

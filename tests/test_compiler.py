@@ -12,6 +12,7 @@ import branchyard
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import BranchyardError, ShapeSpecError, SpecViolationError, UnsupportedGraphError
 from branchyard.examples.decode_loop import DecodeLoop
+from branchyard.fx.graph_walk import iter_graph_modules
 from branchyard.shapes import ShapeVar, dynamic_spec
 
 
@@ -105,6 +106,23 @@ def test_exported_program_input_keeps_its_spec(model):
     assert fast.report.stage("export").detail == "given"
     with pytest.raises(SpecViolationError, match="ShapeVar 'batch'"):
         fast(torch.randn(65, 16), torch.tensor(2))
+
+
+def test_inductor_regions_leave_the_given_program_as_it_was(model):
+    ep = torch.export.export(model, (torch.randn(4, 16), torch.tensor(2)))
+
+    def calls(gm):
+        return sorted(f"{n.op}:{n.target}" for g in iter_graph_modules(gm) for n in g.graph.nodes
+                      if n.op in ("call_function", "call_module"))
+
+    before = calls(ep.graph_module)
+    fast = branchyard.compile(ep, (torch.randn(4, 16), torch.tensor(2)), passes=(), inductor=True)
+    assert fast.inductor_regions >= 1
+    assert any(op.startswith("call_module:inductor_region_") for op in calls(fast._gm))
+    assert calls(ep.graph_module) == before and calls(fast.program.graph_module) == before
+    x, steps = torch.randn(4, 16), torch.tensor(3)
+    torch.testing.assert_close(ep.module()(x, steps), model(x, steps))
+    torch.testing.assert_close(fast(x, steps), model(x, steps))
 
 
 def test_capture_cache_is_bounded_and_counts_hits(model, monkeypatch):

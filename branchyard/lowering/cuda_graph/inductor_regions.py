@@ -163,7 +163,9 @@ def _fuse_one(gm: GraphModule) -> int:
 def fuse_regions(gm: GraphModule) -> int:
     """Replace runs of plain ATen ops in ``gm`` and every nested body by :class:`InductorRegion` (in place).
 
-    Returns the number of regions made.
+    ``ExportedProgram.module()`` shares its control-flow bodies with the program: fuse a
+    copy (``branchyard.fx.graph_walk.copy_graph_module(gm, share_tensors=True)``) to keep
+    the program's graph. Returns the number of regions made.
     """
     from branchyard.fx.graph_walk import iter_graph_modules
 

@@ -29,7 +29,7 @@ from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 from branchyard.lowering.nvgemm.kernel_config import GemmConfig, GemvConfig
 from branchyard.lowering.nvgemm.problem import Problem
-from nvgemm_gpu_support import needs_cutedsl
+from nvgemm_gpu_support import capture_after_warmup, needs_cutedsl
 
 TOL = dict(rtol=2e-2, atol=2e-2)
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
@@ -129,14 +129,7 @@ def test_tuned_signature_skips_the_capture_query_and_replays_with_the_weight_vie
         with warnings.catch_warnings():
             warnings.simplefilter("error", NvGemmFallbackWarning)
             first = FUSED(a, w, ops, text)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                FUSED(a, w, ops, text)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = FUSED(a, w, ops, text)
+            graph, captured = capture_after_warmup(lambda: FUSED(a, w, ops, text))
         assert asked == [1], "only the signature's first call asks whether a capture is on"
         assert len(tuner.call_plans) == 1
         w.mul_(0.5)  # in place: the remembered view sees it
@@ -207,14 +200,7 @@ def test_fused_kernel_plan_launches_bound_eagerly_into_out_and_replayed(tmp_path
             buf = torch.empty(m, 256, dtype=a.dtype, device="cuda")
             assert torch.ops.branchyard.fused_gemm_epilogue.out(a, w, ops, text, out=buf) is buf
             torch.testing.assert_close(buf.float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                FUSED(a, w, ops, text)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = FUSED(a, w, ops, text)
+            graph, captured = capture_after_warmup(lambda: FUSED(a, w, ops, text))
         w.mul_(0.5)  # in place: the launch reads the weight's storage, not a copy
         graph.replay()
         torch.cuda.synchronize()

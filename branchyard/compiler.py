@@ -290,7 +290,11 @@ def _check_against_program(program: torch.export.ExportedProgram, flat: Sequence
 
 
 def _resized_args(spec: Any, fn: Any, args: tuple, sizes: Mapping[str, int]) -> tuple:
-    """``args`` with every dim of the spec's vars in ``sizes`` resized (example data repeated along it)."""
+    """``args`` with every dim of the spec's vars in ``sizes`` resized (example data repeated along it).
+
+    The containers holding a resized tensor (dicts, lists, tuples) are copies: the caller's
+    example inputs stay as they were.
+    """
     from branchyard.shapes.shape_var import DimExpr
     from branchyard.shapes.spec import ScalarEntry, TensorEntry
     from branchyard.shapes.validation import bind
@@ -299,13 +303,21 @@ def _resized_args(spec: Any, fn: Any, args: tuple, sizes: Mapping[str, int]) -> 
     values = {**binding.values, **sizes}
     arguments = binding.arguments.arguments
 
-    def put(keys: tuple, value: Any) -> None:
-        container: Any = arguments
-        for k in keys[:-1]:
-            container = container[k]
+    def replaced(container: Any, keys: tuple, value: Any) -> Any:
+        # a copy of the container with the leaf at ``keys`` replaced: the caller's dicts,
+        # lists and tuples (their example inputs) stay as they were
+        if not keys:
+            return value
+        inner = replaced(container[keys[0]], keys[1:], value)
         if isinstance(container, tuple):
-            raise ShapeSpecError("capture_sizes cannot resize a tensor inside a tuple argument", where=str(keys))
-        container[keys[-1]] = value
+            items = (*container[: keys[0]], inner, *container[keys[0] + 1 :])
+            return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+        copy = container.copy()
+        copy[keys[0]] = inner
+        return copy
+
+    def put(keys: tuple, value: Any) -> None:
+        arguments[keys[0]] = replaced(arguments[keys[0]], keys[1:], value)
 
     for leaf in binding.leaves:
         if isinstance(leaf.entry, ScalarEntry):

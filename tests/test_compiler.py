@@ -259,3 +259,43 @@ def test_torch_compile_backend_with_sizes_dynamo_passes_as_ints(model):
         x = torch.randn(batch, 16)
         torch.testing.assert_close(compiled(x, torch.tensor(2))[1], model(x, torch.tensor(2))[1])
     torch._dynamo.reset()
+
+
+def test_capture_sizes_leave_the_callers_example_containers_as_they_were(monkeypatch):
+    # a dict (a KV cache, say) and a tuple argument: their tensors are resized in copies
+    from branchyard import compiler
+    import branchyard.lowering.cuda_graph.capture as capture
+
+    made = []
+
+    class FakeLowered:
+        lowered, fallback_reason, conditional_nodes = True, None, {}
+
+        def __init__(self, gm, flat, **options):
+            made.append([tuple(t.shape) for t in flat])
+
+    monkeypatch.setattr(capture, "CudaGraphModule", FakeLowered)
+    monkeypatch.setattr(compiler, "_cuda_available", lambda: True)
+    monkeypatch.setattr(compiler, "_new_pool", lambda: None)
+    batch = ShapeVar("batch", min=1, max=64)
+
+    @dynamic_spec({"cache": {"k": (batch, 8)}})
+    def f(cache):
+        return cache["k"] * 2
+
+    k = torch.randn(4, 8)
+    cache = {"k": k}
+    branchyard.compile(f, (cache,), passes=(), capture_sizes=[1, 3])
+    assert cache["k"] is k
+    assert made == [[(4, 8)], [(1, 8)], [(3, 8)]]
+
+    @dynamic_spec({"pair": ((batch,), (batch, 2))})
+    def g(pair):
+        return pair[0] + pair[1].sum(1)
+
+    a, b = torch.randn(4), torch.randn(4, 2)
+    pair = (a, b)
+    made.clear()
+    fast = branchyard.compile(g, (pair,), passes=(), capture_sizes=[2])
+    assert pair[0] is a and pair[1] is b
+    assert made == [[(4,), (4, 2)], [(2,), (2, 2)]] and len(fast.captures) == 2

@@ -299,3 +299,22 @@ def test_capture_sizes_leave_the_callers_example_containers_as_they_were(monkeyp
     fast = branchyard.compile(g, (pair,), passes=(), capture_sizes=[2])
     assert pair[0] is a and pair[1] is b
     assert made == [[(4,), (4, 2)], [(2,), (2, 2)]] and len(fast.captures) == 2
+
+
+def test_compile_leaves_a_models_step_counter_as_it_was():
+    # the compile-time check of the program runs on fake tensors: the model's buffers keep their values
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: -t, (x,))
+
+    model = Counting()
+    fast = branchyard.compile(model, (torch.ones(3),), passes=())
+    assert int(model.calls) == 0
+    torch.testing.assert_close(fast(torch.ones(3)), torch.full((3,), 2.0))
+    fast(torch.ones(3))
+    assert int(model.calls) == 2

@@ -246,3 +246,40 @@ def test_many_captures_in_one_process_do_not_collide_on_streams():
         with torch.cuda.stream(s):
             torch.ones(4, device=DEV).sum()
         torch.cuda.current_stream().wait_stream(s)
+
+
+class _CountingStep(torch.nn.Module):
+    """A model's state in buffers: an int64 call counter and a KV cache row written per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(8, 16))
+
+    def forward(self, x, pos):
+        self.calls.add_(1)
+        self.cache.index_copy_(0, pos, x[:1])
+        h = x + self.cache.sum()
+        return torch.cond(h.sum() > 0, lambda t: self.lin(t), lambda t: -t, (h,))
+
+
+def test_compiling_and_capturing_do_not_advance_the_models_buffers():
+    # warm-up runs the program for real; the model's counter and cache are put back after it,
+    # so they count calls (replays), not captures
+    torch.manual_seed(0)
+    model = _CountingStep().to(DEV).eval()
+    batch = ShapeVar("batch", min=1, max=8)
+
+    @dynamic_spec({"x": (batch, 16), "pos": (1,)})
+    def step(x, pos):
+        return model(x, pos)
+
+    x, pos = torch.randn(4, 16, device=DEV), torch.tensor([3], device=DEV)
+    fast = _compile(step, (x, pos), passes=(), capture_sizes=[1, 2])
+    assert len(fast.report.captures) == 3 and all(c.lowered for c in fast.report.captures)
+    assert int(model.calls) == 0 and not model.cache.any()
+    for n in range(1, 4):
+        fast(x, pos)
+        assert int(model.calls) == n
+    torch.testing.assert_close(model.cache[3], x[0])

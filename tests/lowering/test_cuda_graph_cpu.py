@@ -992,3 +992,58 @@ def test_the_router_steps_stay_out_of_inductor_regions():
     body = gm.get_submodule("while_loop_body_graph_0")
     left = [n.target for n in body.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.mean.dim in left and torch.ops.aten.matmul.default in left
+
+
+class _StatefulStep(torch.nn.Module):
+    """A step with the state real models keep in buffers: an int64 call counter, a KV cache written
+    at a position, batch-norm statistics (train mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(6, 8))
+
+    def forward(self, x, pos):
+        self.calls.add_(1)
+        self.cache.index_copy_(0, pos, x[:1])
+        h = self.bn(x) + self.cache.sum()
+        return torch.cond(h.sum() > 0, lambda t: self.lin(t), lambda t: -t, (h,))
+
+
+def _stateful_program():
+    torch.manual_seed(0)
+    model = _StatefulStep().train()
+    args = (torch.randn(4, 8), torch.tensor([2]))
+    return model, args, torch.export.export(model, args).module()
+
+
+def test_validating_a_program_leaves_the_models_buffers_as_they_were():
+    from branchyard.lowering.cuda_graph import analyze
+
+    model, args, gm = _stateful_program()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    analyze(gm, args)  # runs the VALIDATE phase: fake tensors only
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    gm(*args)  # the program itself does write them (it shares them with the model)
+    assert int(model.calls) == 1 and int(model.bn.num_batches_tracked) == 1 and model.cache[2].abs().sum() > 0
+
+
+def test_a_warm_up_puts_back_every_buffer_the_program_writes():
+    from branchyard.lowering.cuda_graph.capture import restoring_written_attributes, written_attributes
+
+    model, args, gm = _stateful_program()
+    written = written_attributes(gm)
+    expected = [model.calls, model.cache, model.bn.running_mean, model.bn.running_var, model.bn.num_batches_tracked]
+    assert sorted(map(id, written)) == sorted(map(id, expected))  # buffers only: no parameter
+    before = [t.clone() for t in expected]
+    with restoring_written_attributes(gm) as restored:
+        out = gm(*args)
+        assert int(model.calls) == 1
+    assert len(restored) == 5 and out.shape == (4, 8)
+    for t, b in zip(expected, before):
+        assert torch.equal(t, b)
+    plain = torch.export.export(torch.nn.Linear(3, 3), (torch.randn(2, 3),)).module()
+    assert written_attributes(plain) == []

@@ -128,6 +128,8 @@ class LoweringContext:
     keepalive: list[Any] = field(default_factory=list)
     #: control-flow sites seen while validating: (kind, path, depth)
     sites: list[tuple[str, str, int]] = field(default_factory=list)
+    #: VALIDATE: the fake mode the program runs under (its parameters and buffers are faked too)
+    fake_mode: Any = None
 
 
 class ControlFlowInterpreter(torch.fx.Interpreter):
@@ -303,6 +305,14 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                     hint="move inputs and parameters to the device and create tensors with device=<input>.device",
                 )
 
+    def get_attr(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        if self.ctx.phase is Phase.VALIDATE and self.ctx.fake_mode is not None and isinstance(value, torch.Tensor):
+            # a buffer the program writes (a step counter, a KV cache) must not change because
+            # the program was validated: fake tensors of small constants compute real values
+            return self.ctx.fake_mode.from_tensor(value)
+        return value
+
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         handler = handler_for(target)
         if handler is None:
@@ -400,7 +410,7 @@ def _fake_inputs(inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
 
 
 def validate(gm: GraphModule, inputs: Sequence[Any], ctx: LoweringContext) -> Any:
-    """Run the VALIDATE phase on fake copies of ``inputs``; returns the fake outputs."""
+    """Run the VALIDATE phase on fake copies of ``inputs`` and of ``gm``'s tensors; returns the fake outputs."""
     ctx.phase = Phase.VALIDATE
     mode, fakes = _fake_inputs(inputs)
     for i, (node, x) in enumerate(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs)):
@@ -418,8 +428,69 @@ def validate(gm: GraphModule, inputs: Sequence[Any], ctx: LoweringContext) -> An
                 where=f"placeholder {node.name!r}",
                 hint="pass example inputs that live on the device; a cond predicate must be a 0-d bool tensor there",
             )
-    with mode:
-        return ControlFlowInterpreter(gm, ctx).run(*fakes)
+    ctx.fake_mode = mode
+    try:
+        with mode:
+            return ControlFlowInterpreter(gm, ctx).run(*fakes)
+    finally:
+        ctx.fake_mode = None
+
+
+#: ATen ops that write operands their schema does not mark ``Tensor(a!)``: op -> those operands.
+UNMARKED_WRITES: dict[Any, frozenset[str]] = {
+    torch.ops.aten.batch_norm.default: frozenset({"running_mean", "running_var"}),
+    torch.ops.aten.instance_norm.default: frozenset({"running_mean", "running_var"}),
+}
+
+
+def written_attributes(gm: GraphModule) -> list[torch.Tensor]:
+    """The parameters and buffers of ``gm`` (bodies included) that an op of its graphs writes in
+    place: what a model's state looks like in an exported program's module, as Python::
+
+        calls = self.calls; aten.add_(calls, 1)                       # a step counter -> self.calls
+        aten.index_copy_(self.cache, 0, pos, k)                       # a KV cache     -> self.cache
+        aten.batch_norm(x, w, b, self.bn.running_mean, ..., True, …)  # train mode     -> running stats
+
+    An operand is written where its schema says so (``Tensor(a!)``) or :data:`UNMARKED_WRITES` does."""
+    from branchyard.fx.graph_walk import iter_graph_modules
+
+    written: dict[int, torch.Tensor] = {}
+    for sub in iter_graph_modules(gm):
+        for node in sub.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            schema = node.target._schema.arguments
+            unmarked = UNMARKED_WRITES.get(node.target, frozenset())
+            given = [*zip(schema, node.args), *((a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs)]
+            for arg, value in given:
+                if arg.name not in unmarked and (arg.alias_info is None or not arg.alias_info.is_write):
+                    continue
+                if isinstance(value, Node) and value.op == "get_attr":
+                    t = _fetch_attr(sub, value.target)
+                    if isinstance(t, torch.Tensor):
+                        written.setdefault(id(t), t)
+    return list(written.values())
+
+
+def _fetch_attr(gm: GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@contextlib.contextmanager
+def restoring_written_attributes(gm: GraphModule):
+    """Run the block, then put back every tensor :func:`written_attributes` names as it was before:
+    a warm-up runs the program for real, and must not advance the model's step counter or
+    KV cache (a replay does that, once per call)."""
+    saved = [(t, t.detach().clone()) for t in written_attributes(gm)]
+    try:
+        yield [t for t, _ in saved]
+    finally:
+        with torch.no_grad():
+            for t, copy in saved:
+                t.copy_(copy)
 
 
 #: ``switch=`` values: one SWITCH node, or n IF nodes set by one kernel / by one kernel each.
@@ -523,11 +594,13 @@ class CudaGraphModule(torch.nn.Module):
         # WARMUP: every body and branch once, on a side stream as torch recommends before capture.
         ctx.phase = Phase.WARMUP
         side = streams[1]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), _graph_timing():
-            ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize(device)
+        with restoring_written_attributes(self.gm):  # the model's buffers are as before the warm-up
+            side.wait_stream(torch.cuda.current_stream(device))  # after the copies of them
+            with torch.cuda.stream(side), _graph_timing():
+                ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
+            torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)  # the buffers are back before the capture starts
 
         builder = ConditionalBuilder(device, side_streams=streams[1:])
         ctx.builder = builder

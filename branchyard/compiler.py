@@ -251,9 +251,24 @@ def _symbol_range(program: torch.export.ExportedProgram, size: Any) -> tuple[int
 def _check_against_program(program: torch.export.ExportedProgram, flat: Sequence[Any]) -> None:
     """Tensor inputs vs the program's tensor placeholders: static dims equal, dynamic dims in range.
 
-    Used where there is no spec. Non-tensor inputs (ints the program specialised on, or
-    sizes Dynamo passes) are the lowering's to check: a CUDA graph is captured per value.
+    Non-tensor inputs the program specialised on (a Python int, float, bool, str) must
+    have the value it was exported with: torch would only fail an assert in its guards.
     """
+    from torch.export.graph_signature import ConstantArgument, InputKind
+
+    specs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(specs) == len(flat):
+        for spec, value in zip(specs, flat):
+            if isinstance(spec.arg, ConstantArgument) and not isinstance(value, torch.Tensor):
+                want = spec.arg.value
+                if type(value) is not type(want) or not (value is want or value == want):
+                    raise SpecViolationError(
+                        f"got {value!r}; the program was exported with {want!r} there: a Python "
+                        f"{type(want).__name__} argument is a constant of the program, not an input",
+                        where=f"input {spec.arg.name!r}",
+                        hint="pass a tensor there (a 0-d tensor for a step count) to make it an input, "
+                        "or compile once per value",
+                    )
     user_inputs = set(program.graph_signature.user_inputs)
     placeholders = [
         n for n in program.graph.nodes

@@ -318,3 +318,20 @@ def test_compile_leaves_a_models_step_counter_as_it_was():
     torch.testing.assert_close(fast(torch.ones(3)), torch.full((3,), 2.0))
     fast(torch.ones(3))
     assert int(model.calls) == 2
+
+
+def test_a_python_int_the_program_specialised_on_is_checked_on_every_call():
+    # torch.export makes a Python int argument a constant; another value is a SpecViolationError
+    # naming it, not torch's bare "Guard failed" assert
+    class Scale(torch.nn.Module):
+        def forward(self, x, n: int, flag: bool):
+            return torch.cond(x.sum() > 0, lambda t: t * n, lambda t: -t, (x,))
+
+    fast = branchyard.compile(Scale(), (torch.ones(3), 2, True), passes=())
+    torch.testing.assert_close(fast(torch.ones(3), 2, True), torch.full((3,), 2.0))
+    with pytest.raises(SpecViolationError, match=r"input 'n'.*got 5; the program was exported with 2"):
+        fast(torch.ones(3), 5, True)
+    with pytest.raises(SpecViolationError, match=r"input 'n'.*got 2.0"):
+        fast(torch.ones(3), 2.0, True)
+    with pytest.raises(SpecViolationError, match=r"input 'flag'.*a Python bool argument is a constant"):
+        fast(torch.ones(3), 2, False)

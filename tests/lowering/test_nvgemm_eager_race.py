@@ -389,3 +389,34 @@ def test_no_race_while_tracing_with_fake_tensors():
         assert p.run(gm)
     assert clock.timed == [] and p.report.stats["race"] == (
         "not raced: called while tracing with fake tensors (nothing real to time)")
+
+
+class StatefulBlock(Block):
+    """A block with the state real models keep: an int64 call counter, a KV cache row written
+    through a view, and an example input it writes in place (a caller's scratch buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("cache", torch.zeros(4, 16))
+
+    def forward(self, x, scratch):
+        self.calls.add_(1)
+        self.cache[1].copy_(x[0])
+        scratch.add_(1.0)
+        return super().forward(x) + self.cache.sum() + scratch
+
+
+def test_a_race_runs_the_program_on_copies_of_what_it_writes():
+    from branchyard.fx.mutation import written_roots
+
+    torch.manual_seed(0)
+    block = StatefulBlock().eval()
+    x, scratch = torch.randn(4, 16), torch.zeros(4, 16)
+    ep = torch.export.export(block, (x, scratch))
+    assert [n.name for n in written_roots(ep.graph)] == ["b_calls", "b_cache", "scratch"]
+    clock = FakeClock(10.0, {"silu": -1.0, "residual": -1.0})
+    out = nvgemm(ep, race=_race(clock))
+    assert len(clock.timed) > 3 and len(_fused_specs(out)) == 2  # it ran the program many times
+    assert int(block.calls) == 0 and not block.cache.any() and not scratch.any()
+    assert ep.example_inputs[0][1] is scratch

@@ -436,39 +436,20 @@ def validate(gm: GraphModule, inputs: Sequence[Any], ctx: LoweringContext) -> An
         ctx.fake_mode = None
 
 
-#: ATen ops that write operands their schema does not mark ``Tensor(a!)``: op -> those operands.
-UNMARKED_WRITES: dict[Any, frozenset[str]] = {
-    torch.ops.aten.batch_norm.default: frozenset({"running_mean", "running_var"}),
-    torch.ops.aten.instance_norm.default: frozenset({"running_mean", "running_var"}),
-}
-
-
 def written_attributes(gm: GraphModule) -> list[torch.Tensor]:
     """The parameters and buffers of ``gm`` (bodies included) that an op of its graphs writes in
-    place: what a model's state looks like in an exported program's module, as Python::
-
-        calls = self.calls; aten.add_(calls, 1)                       # a step counter -> self.calls
-        aten.index_copy_(self.cache, 0, pos, k)                       # a KV cache     -> self.cache
-        aten.batch_norm(x, w, b, self.bn.running_mean, ..., True, …)  # train mode     -> running stats
-
-    An operand is written where its schema says so (``Tensor(a!)``) or :data:`UNMARKED_WRITES` does."""
+    place (:func:`branchyard.fx.mutation.written_roots`): a model's step counter, KV cache,
+    batch-norm statistics in train mode."""
     from branchyard.fx.graph_walk import iter_graph_modules
+    from branchyard.fx.mutation import written_roots
 
     written: dict[int, torch.Tensor] = {}
     for sub in iter_graph_modules(gm):
-        for node in sub.graph.nodes:
-            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-                continue
-            schema = node.target._schema.arguments
-            unmarked = UNMARKED_WRITES.get(node.target, frozenset())
-            given = [*zip(schema, node.args), *((a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs)]
-            for arg, value in given:
-                if arg.name not in unmarked and (arg.alias_info is None or not arg.alias_info.is_write):
-                    continue
-                if isinstance(value, Node) and value.op == "get_attr":
-                    t = _fetch_attr(sub, value.target)
-                    if isinstance(t, torch.Tensor):
-                        written.setdefault(id(t), t)
+        for node in written_roots(sub.graph):
+            if node.op == "get_attr":
+                t = _fetch_attr(sub, node.target)
+                if isinstance(t, torch.Tensor):
+                    written.setdefault(id(t), t)
     return list(written.values())
 
 

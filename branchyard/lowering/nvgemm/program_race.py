@@ -251,15 +251,21 @@ def _concrete(val: torch.Tensor) -> bool:
 
 def placeholder_inputs(gm: GraphModule, given: Sequence[Any] | None = None) -> tuple[list[Any] | None, str | None]:
     """``(values, None)``: one value per placeholder of ``gm`` -- ``given[i]``
-    where it is not ``None``, else a random tensor of the placeholder's example
-    value (``meta['val']``) -- or ``(None, why)`` where a value cannot be made."""
+    where it is not ``None`` (a copy of it where the graph writes it in place: a
+    race runs the program many times, and a model's step counter, KV cache or
+    example input must not change), else a random tensor of the placeholder's
+    example value (``meta['val']``) -- or ``(None, why)`` where a value cannot be made."""
+    from branchyard.fx.mutation import written_roots
+
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if given is not None and len(given) != len(placeholders):
         return None, f"{len(given)} example values for {len(placeholders)} graph inputs"
+    written = set(written_roots(gm.graph))
     values: list[Any] = []
     for i, node in enumerate(placeholders):
         if given is not None and given[i] is not None:
-            values.append(given[i])
+            value = given[i]
+            values.append(value.detach().clone() if node in written and isinstance(value, torch.Tensor) else value)
             continue
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):

@@ -283,3 +283,24 @@ def test_compiling_and_capturing_do_not_advance_the_models_buffers():
         fast(x, pos)
         assert int(model.calls) == n
     torch.testing.assert_close(model.cache[3], x[0])
+
+
+def test_a_replay_writes_the_callers_kv_cache_as_eager_does():
+    # the program writes an input in place; the replay writes its static copy and copies it back
+    class Decode(torch.nn.Module):
+        def forward(self, x, cache, pos):
+            cache.index_copy_(0, pos, x[:1])
+            return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: -t, (x + cache.sum(),))
+
+    x, pos = torch.randn(4, 8, device=DEV), torch.tensor([2], device=DEV)
+    cache, ref_cache = torch.zeros(6, 8, device=DEV), torch.zeros(6, 8, device=DEV)
+    fast = _compile(Decode(), (x, cache, pos), passes=())
+    (capture,) = fast.report.captures
+    assert capture.lowered, capture.reason
+    assert not cache.any()  # compiling (warm-up on copies) wrote nothing
+    for p in range(4):
+        pos = torch.tensor([p], device=DEV)
+        x = torch.randn(4, 8, device=DEV)
+        torch.testing.assert_close(fast(x, cache, pos), Decode()(x, ref_cache, pos))
+        torch.testing.assert_close(cache, ref_cache)
+    assert fast.captures[next(iter(fast.captures))].written_inputs == [1]

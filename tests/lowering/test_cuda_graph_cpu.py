@@ -1047,3 +1047,20 @@ def test_a_warm_up_puts_back_every_buffer_the_program_writes():
         assert torch.equal(t, b)
     plain = torch.export.export(torch.nn.Linear(3, 3), (torch.randn(2, 3),)).module()
     assert written_attributes(plain) == []
+
+
+def test_the_inputs_a_program_writes_are_found_by_running_it():
+    # a replay writes the static copy of such an input; these positions are copied back to the caller
+    from branchyard.lowering.cuda_graph.capture import inputs_written_by
+
+    class Decode(torch.nn.Module):
+        def forward(self, x, cache, pos, steps: int):
+            cache.index_copy_(0, pos, x[:1])
+            return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: -t, (x + cache.sum(),))
+
+    args = (torch.randn(4, 8), torch.zeros(6, 8), torch.tensor([2]), 3)
+    gm = torch.export.export(Decode(), args).module()
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    assert inputs_written_by(lambda: gm(*copies), copies) == [1]
+    torch.testing.assert_close(copies[1][2], args[0][0])
+    assert inputs_written_by(lambda: gm(*copies[:1], torch.zeros(6, 8), *copies[2:]), copies) == []

@@ -460,6 +460,15 @@ def _fetch_attr(gm: GraphModule, target: str) -> Any:
     return value
 
 
+def inputs_written_by(run: Any, inputs: Sequence[Any]) -> list[int]:
+    """``run()``, then the positions of the tensors in ``inputs`` it wrote in place (their
+    version counters moved): a KV cache or scratch tensor the program updates, which a replay
+    writes in its static copy and must copy back to the caller's tensor."""
+    versions = [x._version if isinstance(x, torch.Tensor) else None for x in inputs]
+    run()
+    return [i for i, (x, v) in enumerate(zip(inputs, versions)) if isinstance(x, torch.Tensor) and x._version != v]
+
+
 @contextlib.contextmanager
 def restoring_written_attributes(gm: GraphModule):
     """Run the block, then put back every tensor :func:`written_attributes` names as it was before:
@@ -481,8 +490,9 @@ SWITCH_LOWERINGS = ("node", "if_chain", "if_chain_each")
 class CudaGraphModule(torch.nn.Module):
     """A program captured as ONE CUDA graph, control flow included.
 
-    Calling it copies the inputs into static buffers, replays the graph and
-    returns the outputs (cloned unless ``clone_outputs=False``, in which case
+    Calling it copies the inputs into static buffers, replays the graph, copies
+    the inputs the program writes in place (a KV cache) back into the caller's
+    tensors, and returns the outputs (cloned unless ``clone_outputs=False``, in which case
     they are overwritten by the next call). Without CUDA, or where capture is
     impossible, it runs the program eagerly and says why once
     (:class:`CudaGraphFallbackWarning`); :attr:`lowered` tells which.
@@ -515,6 +525,8 @@ class CudaGraphModule(torch.nn.Module):
         self.clone_outputs = clone_outputs
         self.fallback_reason: str | None = None
         self.graph_nodes = None  # GraphNodeCount after capture, where the driver lets us read it
+        #: positions of the inputs the program writes in place: copied back to the caller's after a replay
+        self.written_inputs: list[int] = []
         self.conditional_nodes: dict[str, int] = {}
         self._example_meta = [(type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in inputs]
 
@@ -578,7 +590,9 @@ class CudaGraphModule(torch.nn.Module):
         with restoring_written_attributes(self.gm):  # the model's buffers are as before the warm-up
             side.wait_stream(torch.cuda.current_stream(device))  # after the copies of them
             with torch.cuda.stream(side), _graph_timing():
-                ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs)
+                self.written_inputs = inputs_written_by(
+                    lambda: ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs), self._static_inputs
+                )
             torch.cuda.current_stream(device).wait_stream(side)
             torch.cuda.synchronize(device)
         torch.cuda.synchronize(device)  # the buffers are back before the capture starts
@@ -640,6 +654,9 @@ class CudaGraphModule(torch.nn.Module):
                     f"input {i} is {x!r}, the graph was captured for the constant {buf!r}", where="CudaGraphModule call"
                 )
         self._graph.replay()
+        for i in self.written_inputs:  # the program writes these: so must a replay, in the caller's tensors
+            if flat[i].data_ptr() != self._static_inputs[i].data_ptr():
+                flat[i].copy_(self._static_inputs[i])
         if not self.clone_outputs:
             return self._outputs
         if isinstance(self._outputs, tuple) and all(isinstance(t, torch.Tensor) for t in self._outputs):

@@ -304,3 +304,21 @@ def test_a_replay_writes_the_callers_kv_cache_as_eager_does():
         torch.testing.assert_close(fast(x, cache, pos), Decode()(x, ref_cache, pos))
         torch.testing.assert_close(cache, ref_cache)
     assert fast.captures[next(iter(fast.captures))].written_inputs == [1]
+
+
+def test_a_replay_reads_a_parameter_input_where_it_lives():
+    # torch.compile passes a model's parameters as inputs: a call copies no weights, and an
+    # in-place update of a parameter is seen by the next replay
+    class F(torch.nn.Module):
+        def forward(self, x, w):
+            return torch.cond(x.sum() > 0, lambda x, w: x @ w, lambda x, w: x - 1, (x, w))
+
+    w = torch.nn.Parameter(torch.randn(8, 8, device=DEV))
+    x = torch.ones(4, 8, device=DEV)
+    lowered = cuda_graph(torch.export.export(F(), (x, w)), (x, w))
+    assert lowered.lowered, lowered.fallback_reason
+    assert lowered._static_inputs[1].data_ptr() == w.data_ptr()
+    torch.testing.assert_close(lowered(x, w), x @ w.detach())
+    with torch.no_grad():
+        w.mul_(2)
+    torch.testing.assert_close(lowered(x, w), x @ w.detach())

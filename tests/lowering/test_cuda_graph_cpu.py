@@ -1064,3 +1064,15 @@ def test_the_inputs_a_program_writes_are_found_by_running_it():
     assert inputs_written_by(lambda: gm(*copies), copies) == [1]
     torch.testing.assert_close(copies[1][2], args[0][0])
     assert inputs_written_by(lambda: gm(*copies[:1], torch.zeros(6, 8), *copies[2:]), copies) == []
+
+
+def test_a_capture_reads_a_parameter_input_where_it_lives():
+    # torch.compile passes a model's parameters as graph inputs: a call must not copy the weights
+    from branchyard.lowering.cuda_graph.capture import static_input
+
+    w, x = torch.nn.Parameter(torch.randn(4, 4)), torch.randn(4)
+    s = static_input(w)
+    assert s.data_ptr() == w.data_ptr() and not s.requires_grad
+    c = static_input(x)
+    assert c.data_ptr() != x.data_ptr() and torch.equal(c, x)
+    assert static_input(3) == 3

@@ -460,6 +460,16 @@ def _fetch_attr(gm: GraphModule, target: str) -> Any:
     return value
 
 
+def static_input(x: Any) -> Any:
+    """The tensor a capture reads in place of the input ``x``, which each call copies ``x`` into
+    unless they share memory: a copy of ``x``, except for a parameter (``torch.compile``
+    passes a model's parameters as inputs), which the graph reads where it lives -- a call
+    copies no weights, and a parameter updated in place is seen by the next replay."""
+    if isinstance(x, torch.nn.Parameter):
+        return x.detach()
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
 def inputs_written_by(run: Any, inputs: Sequence[Any]) -> list[int]:
     """``run()``, then the positions of the tensors in ``inputs`` it wrote in place (their
     version counters moved): a KV cache or scratch tensor the program updates, which a replay
@@ -582,7 +592,7 @@ class CudaGraphModule(torch.nn.Module):
         from branchyard.lowering.cuda_graph.guarded_capture import dedicated_streams, guarded_capture
 
         ctx, device = self.ctx, self.ctx.device
-        self._static_inputs = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        self._static_inputs = [static_input(x) for x in inputs]
         streams = dedicated_streams(device, 1 + MAX_NESTING)
         # WARMUP: every body and branch once, on a side stream as torch recommends before capture.
         ctx.phase = Phase.WARMUP

@@ -1076,3 +1076,71 @@ def test_a_capture_reads_a_parameter_input_where_it_lives():
     c = static_input(x)
     assert c.data_ptr() != x.data_ptr() and torch.equal(c, x)
     assert static_input(3) == 3
+
+
+@functools.lru_cache(maxsize=None)
+def _core_aten_decode_program():
+    """A decode loop given as users often give it: ``torch.export(...).run_decompositions()``,
+    where the router reads ``squeeze(mm(unsqueeze(mean(x, [0]), 0), w), [0])`` (read-only: shared)."""
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.passes import cond_to_switch
+
+    torch.manual_seed(0)
+    model = DecodeLoop(dim=32, hidden=32, num_experts=3).eval()
+    ep = torch.export.export(model, (torch.randn(4, 32), torch.tensor(3))).run_decompositions()
+    return model, cond_to_switch(ep)
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_a_core_aten_router_is_one_set_router_call(monkeypatch):
+    model, ep = _core_aten_decode_program()
+    body = ep.graph_module.get_submodule("while_loop_body_graph_0")
+    targets = [n.target for n in body.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.unsqueeze.default in targets and torch.ops.aten.squeeze.dims in targets
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, ep, (x, torch.tensor(3)))
+    (body_calls,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls[body_calls]] == ["set_router", "SWITCH", "step"]
+    assert calls[body_calls][0][1:3] == (4, (32, 3))
+    torch.testing.assert_close(calls["result"][1], model(x, torch.tensor(1))[1])  # one trip ran
+    (program,) = calls["routers"]
+    logits = program.source.evaluate()
+    assert logits.shape == (3,)
+    torch.testing.assert_close(logits, program.source.x.mean(0) @ program.source.w)
+
+
+def test_unsqueeze_and_squeeze_around_a_routers_mm_are_its_steps():
+    from branchyard.lowering.cuda_graph import patterns
+
+    aten = torch.ops.aten
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    mean = patterns.match_router_step(aten.mean.dim, (x, [0]), {})
+    row = patterns.match_router_step(aten.unsqueeze.default, (mean, 0), {})
+    assert row == patterns.RowMean(x, True)
+    logits = patterns.match_router_step(aten.mm.default, (row, w), {})
+    assert logits.shape == (1, 3)
+    flat = patterns.match_router_step(aten.squeeze.dims, (logits, [0]), {})
+    assert flat.shape == (3,) and flat.rows == 4
+    torch.testing.assert_close(flat.evaluate(), (x.mean(0, keepdim=True) @ w).squeeze(0))
+    assert patterns.match_router_step(aten.squeeze.dim, (logits, -2), {}).shape == (3,)
+    # not the kernel's form: left to torch
+    assert patterns.match_router_step(aten.unsqueeze.default, (mean, 1), {}) is None
+    assert patterns.match_router_step(aten.unsqueeze.default, (row, 0), {}) is None  # already (1, K)
+    assert patterns.match_router_step(aten.unsqueeze.default, (x[0], 0), {}) is None  # a plain vector
+    assert patterns.match_router_step(aten.squeeze.dims, (flat, [0]), {}) is None
+    assert patterns.match_router_step(aten.squeeze.dims, (logits, [1]), {}) is None
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_a_core_aten_routers_steps_stay_out_of_inductor_regions():
+    from branchyard.fx.graph_walk import copy_graph_module
+    from branchyard.lowering.cuda_graph.inductor_regions import fuse_regions
+
+    _, ep = _core_aten_decode_program()
+    gm = copy_graph_module(ep.module(), share_tensors=True)  # the program is shared
+    fuse_regions(gm)
+    body = gm.get_submodule("while_loop_body_graph_0")
+    left = [n.target for n in body.graph.nodes if n.op == "call_function"]
+    aten = torch.ops.aten
+    assert {aten.mean.dim, aten.unsqueeze.default, aten.mm.default, aten.squeeze.dims} <= set(left)

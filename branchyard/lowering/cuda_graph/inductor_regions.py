@@ -120,7 +120,7 @@ def _set_kernel_argmax(node: Node) -> bool:
 
 
 def _set_kernel_router(node: Node) -> bool:
-    """A router step (``mean`` or ``matmul``) of a small ``argmax(mean(x, 0) @ w)`` that feeds
+    """A router step (``mean``, ``matmul``, a core-ATen ``unsqueeze``/``squeeze``) of a small ``argmax(mean(x, 0) @ w)`` that feeds
     only a switch index: the switch's router set kernel computes it (:class:`~.patterns.RouterLogits`)."""
     from branchyard.lowering.cuda_graph.handlers import is_switch_node
     from branchyard.lowering.cuda_graph.patterns import (
@@ -130,9 +130,11 @@ def _set_kernel_router(node: Node) -> bool:
     kind = ROUTER_STEPS.get(node.target)
     if kind is None or not router_feeds_switch(node, is_switch_node):
         return False
-    matmul = next(iter(node.users)) if kind == "mean" else node
+    matmul = node.args[0] if kind == "squeeze" else node
+    while ROUTER_STEPS.get(matmul.target) != "matmul":  # mean, unsqueeze: the matmul is below
+        matmul = next(iter(matmul.users))
     head = matmul.args[0]
-    if isinstance(head, Node) and ROUTER_STEPS.get(head.target) == "mean":
+    while isinstance(head, Node) and ROUTER_STEPS.get(head.target) in ("unsqueeze", "mean"):
         head = head.args[0]  # the mean's input is what the kernel reads
     vals = [a.meta.get("val") if isinstance(a, Node) else None for a in (head, matmul.args[1])]
     if not all(isinstance(v, torch.Tensor) and v.dtype in ROUTER_DTYPE_CODES for v in vals):

@@ -316,11 +316,17 @@ MAX_ROUTER_K = 8192
 MAX_ROUTER_ELEMENTS = 1 << 17
 #: dtype -> code of the tensors a router reads (the argmax codes of the three float types).
 ROUTER_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 3, torch.bfloat16: 8, torch.float16: 9}
-#: FX targets of a router's steps.
+#: FX targets of a router's steps. ``unsqueeze`` and ``squeeze`` are how a vector-matrix
+#: ``mean(x, 0) @ w`` reads in core ATen (``ep.run_decompositions()``):
+#: ``squeeze(mm(unsqueeze(mean(x, [0]), 0), w), [0])``.
 ROUTER_STEPS: dict[Any, str] = {
     aten.mean.dim: "mean", torch.mean: "mean",
+    aten.unsqueeze.default: "unsqueeze",
     aten.matmul.default: "matmul", torch.matmul: "matmul", operator.matmul: "matmul", aten.mm.default: "matmul",
+    aten.squeeze.dims: "squeeze", aten.squeeze.dim: "squeeze",
 }
+#: The order of a router's steps; a chain has its matmul and keeps this order.
+_ROUTER_ORDER = ("mean", "unsqueeze", "matmul", "squeeze")
 
 
 @dataclass(frozen=True)
@@ -360,7 +366,7 @@ class RouterLogits:
 
     def evaluate(self) -> torch.Tensor:
         a = self.a.evaluate() if isinstance(self.a, RowMean) else self.a
-        return self.target(a, self.w)
+        return self.target(a, self.w).reshape(self.shape)  # (1, E) squeezed to (E,) by a squeeze step
 
 
 def _router_tensor(t: Any) -> bool:
@@ -383,6 +389,19 @@ def match_router_step(target: Any, args: tuple, kwargs: dict) -> "RowMean | Rout
         (True, 4)
     """
     name = ROUTER_STEPS.get(target) if _hashable(target) else None
+    if name == "unsqueeze":  # mean(x, 0) -> (1, K): the kernel's keepdim mean
+        a = args[0] if args else None
+        dim = args[1] if len(args) == 2 else kwargs.get("dim")
+        if not isinstance(a, RowMean) or a.keepdim or dim not in (0, -2) or len(args) + len(kwargs) != 2:
+            return None
+        return RowMean(a.x, True)
+    if name == "squeeze":  # (1, E) logits -> (E,): argmax reads them flat either way
+        r = args[0] if args else None
+        dims = args[1] if len(args) == 2 else kwargs.get("dim")
+        dims = [dims] if isinstance(dims, int) else list(dims) if isinstance(dims, (list, tuple)) else None
+        if not isinstance(r, RouterLogits) or len(r.shape) != 2 or dims not in ([0], [-2]) or len(args) + len(kwargs) != 2:
+            return None
+        return RouterLogits(r.a, r.w, r.target, r.shape[1:])
     if name == "mean":
         if len(args) < 2 or len(args) > 3 or set(kwargs) - {"keepdim"}:
             return None  # a dtype= mean converts first
@@ -417,10 +436,12 @@ def match_router_step(target: Any, args: tuple, kwargs: dict) -> "RowMean | Rout
 
 
 def router_feeds_switch(node: Any, is_switch: Callable[[Any], bool]) -> bool:
-    """Whether the FX ``node`` (a mean or matmul) starts a chain ``mean -> matmul -> argmax``
-    (or ``matmul -> argmax``), each the sole use of the one before as its first operand,
-    whose argmax feeds only switch indices with nothing written in place from ``node`` on."""
+    """Whether the FX ``node`` (a router step) starts the rest of a chain
+    ``mean -> [unsqueeze] -> matmul -> [squeeze] -> argmax`` (or ``matmul -> [squeeze] ->
+    argmax``) from ``node`` on, each the sole use of the one before as its first
+    operand, whose argmax feeds only switch indices with nothing written in place from ``node`` on."""
     first = node
+    kinds = [ROUTER_STEPS.get(node.target) if _hashable(node.target) else None]
     while True:
         users = list(getattr(node, "users", ()))
         if len(users) != 1:
@@ -432,13 +453,19 @@ def router_feeds_switch(node: Any, is_switch: Callable[[Any], bool]) -> bool:
         torch.fx.node.map_arg((user.args[1:], user.kwargs), rest.append)
         if node in rest or not _hashable(user.target):
             return False
-        here = ROUTER_STEPS.get(node.target) if _hashable(node.target) else None
-        if here == "mean" and ROUTER_STEPS.get(user.target) == "matmul":
-            node = user
-            continue
-        if here == "matmul" and INDEX_STEPS.get(user.target) == "argmax":
-            return feeds_only_switch_index(user, is_switch, first)
-        return False
+        if INDEX_STEPS.get(user.target) == "argmax":
+            break
+        kind = ROUTER_STEPS.get(user.target)
+        if kind is None:
+            return False
+        kinds.append(kind)
+        node = user
+    if None in kinds or ("matmul" not in kinds and kinds != ["squeeze"]):
+        return False  # (a squeeze after the matmul: its match defers only a matmul's logits)
+    order = [_ROUTER_ORDER.index(k) for k in kinds]
+    if order != sorted(set(order)):
+        return False  # each step once, in order
+    return feeds_only_switch_index(user, is_switch, first)
 
 
 def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool], _source: Any = None) -> bool:

@@ -337,3 +337,34 @@ def test_a_core_aten_decode_loop_replays_equal_to_eager():
     assert capture.lowered, capture.reason
     for trips in (0, 1, 5, 12):
         _close(fast(x, torch.tensor(trips, device=DEV)), model(x, torch.tensor(trips, device=DEV)), torch.float32)
+
+
+class _DropoutAttentionLoop(torch.nn.Module):
+    """A decode loop whose step attends and drops out as transformer blocks do (eval mode)."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.qkv, self.o, self.drop = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), torch.nn.Dropout(0.1)
+
+    def step(self, x):
+        def attend(t):
+            q, k, v = self.qkv(t).chunk(3, -1)
+            return t + self.drop(self.o(torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None])[0]))
+
+        y = torch.cond(x.sum() > 0, attend, lambda t: self.drop(t) * 0.5, (x,))
+        return torch.nn.functional.layer_norm(y, y.shape[-1:])
+
+    def forward(self, x, n):
+        i = torch.zeros((), dtype=torch.int64, device=x.device)
+        return while_loop(lambda i, y: i < n, lambda i, y: (i + 1, self.step(y)), (i, x))
+
+
+def test_a_loop_of_eval_mode_attention_and_dropout_is_one_graph():
+    torch.manual_seed(0)
+    model = _DropoutAttentionLoop().to(DEV).eval()
+    x, n = torch.randn(6, 32, device=DEV), torch.tensor(4, device=DEV)
+    fast = _compile(model, (x, n))
+    (capture,) = fast.report.captures
+    assert capture.lowered, capture.reason
+    for trips in (0, 1, 4, 9):
+        _close(fast(x, torch.tensor(trips, device=DEV)), model(x, torch.tensor(trips, device=DEV)), torch.float32)

@@ -243,6 +243,49 @@ def test_rng_in_an_exported_branch_is_rejected():
         analyze(torch.export.export(Noisy(), (x,)), (x,))
 
 
+class _AttentionBranch(torch.nn.Module):
+    """A transformer's branch as real models write it: nn.Dropout layers and attention."""
+
+    def __init__(self, p: float = 0.1, attn_p: float = 0.0):
+        super().__init__()
+        self.drop, self.attn_p = torch.nn.Dropout(p), attn_p
+
+    def forward(self, x):
+        def attend(t):
+            q = t[None, None]
+            return self.drop(torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.attn_p)[0, 0])
+
+        return torch.cond(x.sum() > 0, attend, lambda t: self.drop(t) * 2, (x,))
+
+
+def test_eval_mode_dropout_and_attention_without_dropout_in_a_branch_are_not_random():
+    x = torch.randn(4, 8)
+    model = _AttentionBranch().eval()  # aten.dropout(t, 0.1, False); sdpa with dropout_p=0.0
+    ep = torch.export.export(model, (x,))
+    assert [s.kind for s in analyze(ep, (x,)).sites] == ["cond"]
+    torch.testing.assert_close(ep.module()(x), model(x))
+    train = torch.export.export(_AttentionBranch().train(), (x,))  # dropout draws numbers
+    with pytest.raises(UnsupportedGraphError, match=r"node 'dropout': random op dropout.default"):
+        analyze(train, (x,))
+    attn_dropout = torch.export.export(_AttentionBranch(p=0.0, attn_p=0.2).eval(), (x,))
+    with pytest.raises(UnsupportedGraphError, match=r"random op scaled_dot_product_attention.default"):
+        analyze(attn_dropout, (x,))
+
+
+def test_which_arguments_turn_a_random_op_off():
+    from branchyard.lowering.cuda_graph.capture import _draws_nothing
+
+    aten, t = torch.ops.aten, torch.ones(2)
+    assert _draws_nothing(aten.dropout.default, (t, 0.5, False), {})
+    assert _draws_nothing(aten.dropout.default, (t, 0, True), {})  # p = 0 as an int
+    assert not _draws_nothing(aten.dropout.default, (t, 0.5, True), {})
+    assert _draws_nothing(aten.scaled_dot_product_attention.default, (t, t, t), {})  # dropout_p defaults to 0
+    assert not _draws_nothing(aten.scaled_dot_product_attention.default, (t, t, t), {"dropout_p": 0.1})
+    assert _draws_nothing(torch.nn.functional.dropout, (t,), {"training": False})
+    assert not _draws_nothing(torch.nn.functional.dropout, (t,), {})  # training=True, p=0.5 by default
+    assert not _draws_nothing(aten.rand_like.default, (t,), {})
+
+
 def test_tensors_off_the_device_are_rejected():
     args = (torch.randn(4), torch.tensor(3))
     ep = torch.export.export(CountdownWithCond(), args)

@@ -99,6 +99,40 @@ def _in(target: Any, table: dict) -> bool:
         return False
 
 
+#: Arguments that make a random op draw nothing: name -> the value that does. A model in eval
+#: mode calls dropout with ``train=False``; attention's dropout is ``dropout_p=0.0`` unless asked.
+RNG_OFF_ARGUMENTS: dict[str, Any] = {"train": False, "training": False, "p": 0.0, "dropout_p": 0.0}
+
+
+def _draws_nothing(target: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a random op called with these arguments draws no random numbers (see
+    :data:`RNG_OFF_ARGUMENTS`): ``aten.dropout(x, 0.1, False)`` does not, for one."""
+    import inspect
+
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema.arguments
+        names = [a.name for a in schema]
+        bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+        bound.update(zip(names, args))
+        bound.update(kwargs)
+    else:
+        try:
+            call = inspect.signature(target).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            return False
+        call.apply_defaults()
+        bound = dict(call.arguments)
+    for name, off in RNG_OFF_ARGUMENTS.items():
+        value = bound.get(name)
+        if isinstance(value, (bool, int, float)) and type(value) is type(off) and value == off:
+            return True
+        if isinstance(off, float) and isinstance(value, int) and not isinstance(value, bool) and value == 0:
+            return True
+    return False
+
+
 def _is_rng(op: str, target: Any) -> bool:
     if op == "call_method":
         return target in RNG_METHOD_NAMES
@@ -316,7 +350,7 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         handler = handler_for(target)
         if handler is None:
-            self._check_rng("call_function", target)
+            self._check_rng("call_function", target, args, kwargs)
             if self._node in self.targets:
                 written = self._write_in_place(target, args, kwargs, self.targets[self._node])
                 if written is not None:
@@ -353,9 +387,11 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         self._check_rng("call_method", target)
         return super().call_method(target, args, kwargs)
 
-    def _check_rng(self, op: str, target: Any) -> None:
+    def _check_rng(self, op: str, target: Any, args: tuple = (), kwargs: dict | None = None) -> None:
         if self.depth == 0 or self.ctx.phase is not Phase.VALIDATE or not _is_rng(op, target):
             return
+        if op == "call_function" and _draws_nothing(target, args, kwargs or {}):
+            return  # eval-mode dropout, attention without dropout: deterministic
         name = getattr(target, "__name__", str(target))
         raise UnsupportedGraphError(
             f"random op {name} inside a loop body or branch: a CUDA graph replays its RNG offset unchanged, "

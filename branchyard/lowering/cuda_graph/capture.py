@@ -476,24 +476,17 @@ def written_attributes(gm: GraphModule) -> list[torch.Tensor]:
     """The parameters and buffers of ``gm`` (bodies included) that an op of its graphs writes in
     place (:func:`branchyard.fx.mutation.written_roots`): a model's step counter, KV cache,
     batch-norm statistics in train mode."""
-    from branchyard.fx.graph_walk import iter_graph_modules
+    from branchyard.fx.graph_walk import iter_graph_modules, resolve_attr
     from branchyard.fx.mutation import written_roots
 
     written: dict[int, torch.Tensor] = {}
     for sub in iter_graph_modules(gm):
         for node in written_roots(sub.graph):
             if node.op == "get_attr":
-                t = _fetch_attr(sub, node.target)
+                t = resolve_attr(sub, node.target)
                 if isinstance(t, torch.Tensor):
                     written.setdefault(id(t), t)
     return list(written.values())
-
-
-def _fetch_attr(gm: GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def static_input(x: Any) -> Any:

@@ -457,6 +457,23 @@ def _router_defines() -> str:
     ))
 
 
+def _index_step_args(program: "IndexProgram") -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """The set kernels' trailing ``nsteps, op0, a0, ..., op3, a3`` arguments for ``program``'s
+    index steps (unused slots zero), and their ctypes.
+
+        >>> from branchyard.lowering.cuda_graph.patterns import IndexProgram
+        >>> _index_step_args(IndexProgram(torch.zeros((), dtype=torch.int64), True, (("max", -1), ("mod", 7))))[0]
+        (2, 1, -1, 3, 7, 0, 0, 0, 0)
+    """
+    from branchyard.lowering.cuda_graph.patterns import INDEX_STEP_CODES, MAX_INDEX_STEPS
+
+    values = [len(program.steps)]
+    for op, a in program.steps:
+        values += [INDEX_STEP_CODES[op], int(a)]
+    values += [0, 0] * (MAX_INDEX_STEPS - len(program.steps))
+    return tuple(values), (ctypes.c_int, *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS))
+
+
 def router_vector_path(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the router set kernel reads ``x`` (``(rows, K)`` or ``(K,)``) and ``w`` (``(K, E)``)
     as 16-byte vectors: both 16-byte aligned, ``K`` and ``E`` multiples of the vector's length
@@ -719,7 +736,7 @@ class ConditionalBuilder:
         """Capture ONE set kernel: ``handle = clamp(program, 0, n - 1)``, the program's
         argmax and steps computed by the kernel (see :class:`~.patterns.IndexProgram`)."""
         from branchyard.lowering.cuda_graph.patterns import (
-            ARGMAX_DTYPE_CODES, INDEX_STEP_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, RouterLogits,
+            ARGMAX_DTYPE_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, RouterLogits,
         )
 
         src = program.source
@@ -739,13 +756,10 @@ class ConditionalBuilder:
         if len(program.steps) > MAX_INDEX_STEPS:
             raise LoweringError(f"the set kernel applies at most {MAX_INDEX_STEPS} index steps, got {len(program.steps)}",
                                 where="switch index")
-        steps: list[int] = []
-        for op, a in program.steps:
-            steps += [INDEX_STEP_CODES[op], int(a)]
-        steps += [0, 0] * (MAX_INDEX_STEPS - len(program.steps))
-        args = (int(handle), src.data_ptr(), code, src.numel(), int(program.argmax), len(program.steps), *steps, n)
-        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
-                 *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
+        step_args, step_types = _index_step_args(program)
+        args = (int(handle), src.data_ptr(), code, src.numel(), int(program.argmax), *step_args, n)
+        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_int,
+                 *step_types, ctypes.c_longlong)
         self._launch("branchyard_set_program", args, types)
         self._keepalive.append(program)
 
@@ -753,8 +767,7 @@ class ConditionalBuilder:
         """Capture ONE router set kernel: ``handle = clamp(steps(argmax(logits)), 0, n - 1)``
         with the logits of ``program.source`` (a :class:`~.patterns.RouterLogits`)."""
         from branchyard.lowering.cuda_graph.patterns import (
-            INDEX_STEP_CODES, MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, MAX_ROUTER_ELEMENTS, MAX_ROUTER_K,
-            ROUTER_DTYPE_CODES, RowMean,
+            MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, MAX_ROUTER_ELEMENTS, MAX_ROUTER_K, ROUTER_DTYPE_CODES, RowMean,
         )
 
         r = program.source
@@ -773,16 +786,13 @@ class ConditionalBuilder:
                 f"got x {x.dtype} {tuple(x.shape)} on {x.device}, w {w.dtype} {tuple(w.shape)}",
                 where="switch index",
             )
-        steps: list[int] = []
-        for op, a in program.steps:
-            steps += [INDEX_STEP_CODES[op], int(a)]
-        steps += [0, 0] * (MAX_INDEX_STEPS - len(program.steps))
         mean = isinstance(r.a, RowMean)
+        step_args, step_types = _index_step_args(program)
         args = (int(handle), x.data_ptr(), w.data_ptr(), ROUTER_DTYPE_CODES[x.dtype], r.rows, k, e, int(mean),
-                1.0 / r.rows, int(router_vector_path(x, w)), len(program.steps), *steps, n)
+                1.0 / r.rows, int(router_vector_path(x, w)), *step_args, n)
         types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
-                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
-                 *((ctypes.c_int, ctypes.c_longlong) * MAX_INDEX_STEPS), ctypes.c_longlong)
+                 ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                 *step_types, ctypes.c_longlong)
         self._launch("branchyard_set_router", args, types, block=ROUTER_THREADS)
         self._keepalive.append(program)
 

@@ -68,7 +68,7 @@ from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import tuner as tuner_mod
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm, unfused_aten_epilogue
 from branchyard.lowering.nvgemm.kernel_config import ALIGN_BYTES, fused_kernel_ineligibility
-from branchyard.lowering.nvgemm.problem import Impl, TimingMode
+from branchyard.lowering.nvgemm.problem import Impl, TimingMode, bound_launch
 from branchyard.lowering.nvgemm.timing import current_timing_mode
 from branchyard.lowering.nvgemm.tuner import Autotuner
 
@@ -385,13 +385,8 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
     except LoweringError as exc:  # every candidate failed to build or to match the reference
         call.reason = f"autotuning found no working implementation: {exc}"
         return call
-    call.launch, call.weight_t = call.impl, plan.nk
-    bind = getattr(call.impl, "bind", None)
-    if bind is not None:
-        try:
-            call.launch, call.weight_t = bind(a2d, b_kn, ops2d, call.alloc()), not plan.nk
-        except LoweringError:  # a call raises it too, from the impl, as without bind
-            pass
+    call.launch, takes_nk = bound_launch(call.impl, a2d, b_kn, ops2d, call.alloc())
+    call.weight_t = plan.nk != takes_nk  # transposed where the launch takes the other layout than given ([N, K] if plan.nk)
     return call
 
 

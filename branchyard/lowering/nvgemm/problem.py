@@ -18,13 +18,38 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 
+from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
 
-__all__ = ["Impl", "Problem", "TimingMode", "m_bucket", "dtype_name", "layout_name"]
+__all__ = ["Impl", "Problem", "TimingMode", "bound_launch", "m_bucket", "dtype_name", "layout_name"]
 
 #: ``impl(a [M, K], b_kn [K, N], operands, out [M, N]) -> result``. The result
 #: is ``out`` (written in place) or a tensor of the same shape and dtype.
 Impl = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], torch.Tensor], Any]
+
+
+def bound_launch(impl: Impl, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor],
+                 out: torch.Tensor) -> tuple[Callable[..., Any], bool]:
+    """What a tuned call of ``impl`` runs for tensors shaped like these, and whether it
+    takes the weight ``[N, K]``: the launch ``impl.bind`` returns (our fused kernels: their
+    checks and variant lookup done now, the weight given as ``b_kn.t()``) and True; else
+    ``impl`` itself and False (no ``bind``, or ``bind`` refuses: a call then raises what
+    ``impl`` raises).
+
+        >>> impl = lambda a, b_kn, operands, out: out
+        >>> bound_launch(impl, None, None, [], None) == (impl, False)
+        True
+    """
+    bind = getattr(impl, "bind", None)
+    if bind is not None:
+        try:
+            launch = bind(a, b_kn, operands, out)
+        except LoweringError:
+            launch = None
+        if launch is not None:
+            return launch, True
+    return impl, False
+
 
 #: How the caller runs the op, hence how candidates are timed (see :mod:`.timing`).
 TimingMode = Literal["host", "device"]

@@ -53,7 +53,7 @@ from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.candidates import UNFUSED, Candidate, default_candidates
 from branchyard.lowering.nvgemm.environment import environment
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
-from branchyard.lowering.nvgemm.problem import Impl, Problem, TimingMode, m_bucket
+from branchyard.lowering.nvgemm.problem import Impl, Problem, TimingMode, bound_launch, m_bucket
 from branchyard.lowering.nvgemm.progress import ProgressBar
 from branchyard.lowering.nvgemm.timing import (
     cuda_event_timer,
@@ -401,16 +401,9 @@ def _as_called(impl: Impl, a: torch.Tensor, b_kn: torch.Tensor, operands: list[t
     run it (what is timed): the launch its ``bind`` returns where it has one
     (our fused kernels: their checks done once, the weight given ``[N, K]``),
     else ``impl`` itself (also where ``bind`` refuses, as the op does)."""
-    bind = getattr(impl, "bind", None)
-    if bind is not None:
-        try:
-            launch = bind(a, b_kn, operands, out)
-        except LoweringError:
-            launch = None
-        if launch is not None:
-            b_nk = b_kn.t()
-            return lambda: launch(a, b_nk, operands, out)
-    return lambda: impl(a, b_kn, operands, out)
+    launch, takes_nk = bound_launch(impl, a, b_kn, operands, out)
+    weight = b_kn.t() if takes_nk else b_kn
+    return lambda: launch(a, weight, operands, out)
 
 
 _default: Autotuner | None = None

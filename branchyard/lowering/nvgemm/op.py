@@ -255,7 +255,7 @@ def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], s
     ``(spec, mode)``, then ``(shape, stride, dtype, device)`` of ``a``, ``b`` and
     each operand, flat -- built from attributes that cost no dispatcher call."""
     n = len(operands)
-    return (_KEYS[n] if n < len(_KEYS) else _key_any)(spec, mode, a, b, operands)
+    return (_KEYS[n] if n < _N_KEYS else _key_any)(spec, mode, a, b, operands)
 
 
 def _key_any(spec, mode, a, b, operands) -> tuple:
@@ -292,6 +292,7 @@ def _key3(spec, mode, a, b, operands) -> tuple:
 
 #: The key builder per operand count (:func:`_key_any` past its end).
 _KEYS = (_key0, _key1, _key2, _key3)
+_N_KEYS = len(_KEYS)
 
 
 def _as_2d(plan: _SpecPlan, call: CallPlan, a, b, operands):
@@ -464,7 +465,7 @@ def _fused_gemm_epilogue(
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
     n_ops = len(operands)
-    key = (_KEYS[n_ops] if n_ops < 4 else _key_any)(spec, mode, a, b, operands)  # _signature, one call fewer
+    key = (_KEYS[n_ops] if n_ops < _N_KEYS else _key_any)(spec, mode, a, b, operands)  # _signature, one call fewer
     call = tuner.call_plans.get(key)
     if call is None:
         call = _first_sight(a, b, operands, spec, mode, key, tuner)

@@ -632,9 +632,8 @@ class CudaGraphModule(torch.nn.Module):
                 self.written_inputs = inputs_written_by(
                     lambda: ControlFlowInterpreter(self.gm, ctx).run(*self._static_inputs), self._static_inputs
                 )
-            torch.cuda.current_stream(device).wait_stream(side)
-            torch.cuda.synchronize(device)
-        torch.cuda.synchronize(device)  # the buffers are back before the capture starts
+            torch.cuda.current_stream(device).wait_stream(side)  # the buffers go back after the warm-up
+        torch.cuda.synchronize(device)  # warm-up done and buffers back before the capture starts
 
         builder = ConditionalBuilder(device, side_streams=streams[1:])
         ctx.builder = builder

@@ -163,19 +163,18 @@ extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGra
     if (has_else) cudaGraphSetConditional(h_else, v ? 0u : 1u);
 }
 
+// The float a 16-bit pattern holds: dtype 8 bfloat16, else (9) float16.
+__device__ __forceinline__ float by_half_to_float(unsigned short b, int dtype) {
+    if (dtype == 8) return __uint_as_float(((unsigned int)b) << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
 // Reals an argmax reads, by dtype code: 3 float32, 4 float64, 8 bfloat16, 9 float16.
 __device__ __forceinline__ double by_load_real(const void* p, long long i, int dtype) {
-    union { unsigned int u; float f; } bits;
-    switch (dtype) {
-        case 3: return ((const float*)p)[i];
-        case 4: return ((const double*)p)[i];
-        case 8: bits.u = ((unsigned int)((const unsigned short*)p)[i]) << 16; return bits.f;
-        default: {
-            float f;
-            asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const unsigned short*)p)[i]));
-            return f;
-        }
-    }
+    if (dtype == 3) return ((const float*)p)[i];
+    if (dtype == 4) return ((const double*)p)[i];
+    return by_half_to_float(((const unsigned short*)p)[i], dtype);
 }
 __device__ __forceinline__ int by_int_size(int dtype) {
     return dtype == 1 ? 8 : dtype == 2 ? 4 : dtype == 5 ? 2 : 1;
@@ -240,11 +239,7 @@ extern "C" __global__ void branchyard_set_program(cudaGraphConditionalHandle h, 
 // (round to nearest even: what torch's kernels store).
 __device__ __forceinline__ float by_load_f(const void* p, long long i, int dtype) {
     if (dtype == 3) return ((const float*)p)[i];
-    unsigned short b = ((const unsigned short*)p)[i];
-    if (dtype == 8) return __uint_as_float(((unsigned int)b) << 16);
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-    return f;
+    return by_half_to_float(((const unsigned short*)p)[i], dtype);
 }
 __device__ __forceinline__ float by_round(float f, int dtype) {
     if (dtype == 8) {
@@ -267,11 +262,7 @@ struct alignas(16) by_vec16 { unsigned int w[4]; };
 // Element j of a 16-byte vector of dtype (3: 4 float32; 8, 9: 8 bfloat16 / float16).
 __device__ __forceinline__ float by_vec_at(const by_vec16& q, int j, int dtype) {
     if (dtype == 3) return __uint_as_float(q.w[j]);
-    unsigned short b = (unsigned short)(q.w[j >> 1] >> ((j & 1) * 16));
-    if (dtype == 8) return __uint_as_float(((unsigned int)b) << 16);
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
-    return f;
+    return by_half_to_float((unsigned short)(q.w[j >> 1] >> ((j & 1) * 16)), dtype);
 }
 
 // The vector path of the router kernel (NV elements per 16-byte vector; the host checked that x and

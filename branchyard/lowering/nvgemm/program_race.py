@@ -65,6 +65,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule
 
 from branchyard.errors import LoweringError
+from branchyard.fx.graph_walk import resolve_attr
 from branchyard.lowering.nvgemm.timing import host_timer, time_round_robin, timing_mode
 
 __all__ = [
@@ -235,7 +236,7 @@ def program_inputs(program: ExportedProgram | GraphModule) -> list[Any] | None:
     return values
 
 
-def _random_like(val: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def _random_like(val: torch.Tensor) -> torch.Tensor:
     t = torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
                             dtype=val.dtype, device=val.device)
     if t.is_floating_point() or t.is_complex():
@@ -289,9 +290,10 @@ def program_device(gm: GraphModule, values: Sequence[Any] = ()) -> str:
     tensors += list(gm.parameters()) + list(gm.buffers())
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            obj = gm
-            for part in str(n.target).split("."):
-                obj = getattr(obj, part, None)
+            try:
+                obj = resolve_attr(gm, str(n.target))
+            except AttributeError:
+                continue
             if isinstance(obj, torch.Tensor):
                 tensors.append(obj)
     return "cuda" if any(t.device.type == "cuda" for t in tensors) else "cpu"

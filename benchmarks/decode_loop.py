@@ -78,6 +78,16 @@ def agree(out, ref, dtype) -> tuple[bool, float]:
     return steps_ok and diff <= tol * max(1.0, ref[1].float().abs().max().item()), diff
 
 
+def agreement(fn, model, x, dtype) -> dict:
+    """Per trip count (0, 1, 5, 40): True where ``fn`` agrees with ``model``, else the max difference."""
+    checks = {}
+    for trips in (0, 1, 5, 40):
+        t = torch.tensor(trips, device=DEV)
+        ok, diff = agree(fn(x, t), model(x, t), dtype)
+        checks[trips] = ok if ok else f"max diff {diff:.3g}"
+    return checks
+
+
 def torch_cond_nodes(ep, args):
     """torch's own conditional-node capture of the exported program (torch >= 2.14)."""
     from torch._higher_order_ops.cudagraph_conditional_nodes import (
@@ -133,12 +143,7 @@ def column(name, build, model, x, steps_t, steps, reps, dtype, row):
         fn(x, steps_t)
         torch.cuda.synchronize()
         row[f"{name}_first_call_s"] = round(time.perf_counter() - start, 2)
-        checks = {}
-        for trips in (0, 1, 5, 40):
-            t = torch.tensor(trips, device=DEV)
-            ok, diff = agree(fn(x, t), model(x, t), dtype)
-            checks[trips] = ok if ok else f"max diff {diff:.3g}"
-        row[f"{name}_agrees"] = checks
+        row[f"{name}_agrees"] = agreement(fn, model, x, dtype)
         row[f"{name}_us_per_step"] = round(time_call_ms(lambda: fn(x, steps_t), reps) * 1e3 / steps, 2)
         if hasattr(fn, "report"):
             row[f"{name}_report"] = str(fn.report)
@@ -183,10 +188,7 @@ def ablate_router(model, x, steps_t, steps: int, reps: int, dtype, row: dict, ro
         for name, limit in (("router_kernel", 1 << 30), ("router_ops", 0)):
             patterns.MAX_ROUTER_ELEMENTS = limit
             fn = branchyard.compile(model, (x, steps_t), passes=("cond_to_switch", "nvgemm"), inductor=True)
-            for trips in (0, 1, 5, 40):  # captured here, under this bound
-                t = torch.tensor(trips, device=DEV)
-                ok, diff = agree(fn(x, t), model(x, t), dtype)
-                row.setdefault(f"{name}_agrees", {})[trips] = ok if ok else f"max diff {diff:.3g}"
+            row[f"{name}_agrees"] = agreement(fn, model, x, dtype)  # captured here, under this bound
             fns[name] = fn
     finally:
         patterns.MAX_ROUTER_ELEMENTS = bound

@@ -14,6 +14,7 @@ the condition involves one var).
 from __future__ import annotations
 
 import os
+import re
 import sysconfig
 import traceback
 from typing import Mapping
@@ -53,6 +54,25 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     frames = traceback.extract_tb(err.__traceback__)
     user = [f for f in frames if not f.filename.startswith(_SKIP_DIRS) and not f.filename.startswith("<frozen")]
     return user[-1] if user else None
+
+
+_HOP_FILE = re.compile(r"_higher_order_ops[/\\](\w+)\.py$")
+
+
+def _tracing_control_flow_op(err: BaseException) -> str | None:
+    """The torch control-flow op (``torch.cond``, ``torch.while_loop``, ...) whose own tracing
+    raised ``err``, from the innermost such frame of its traceback chain."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    found = None
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        for frame in traceback.extract_tb(cur.__traceback__):
+            m = _HOP_FILE.search(frame.filename)
+            if m and not m.group(1).startswith("_"):
+                found = m.group(1)
+        cur = cur.__cause__ or cur.__context__
+    return None if found is None else f"torch.{found}"
 
 
 def _suggest_range(cond: sympy.Basic, var: ShapeVar) -> str | None:
@@ -117,6 +137,9 @@ def explain(
     involved = sorted({vars[var_of_symbol[s]].name for s in names})
     frame = _user_frame(err) or _user_frame(dde)
     where = f"{frame.filename}:{frame.lineno}" if frame else None
+    op = _tracing_control_flow_op(err) or _tracing_control_flow_op(dde)
+    if op is not None and involved and isinstance(readable, sympy.Symbol):
+        return _unbacked_operand(op, readable, involved, frame, where)
     subject = (
         "ShapeVar " + ", ".join(repr(n) for n in involved) if involved else "a data-dependent value (not a declared ShapeVar)"
     )
@@ -142,6 +165,25 @@ def explain(
             else f"or narrow {involved[0]!r}'s range so the condition has one answer on all of it"
         )
     out = DataDependentShapeError(message, where=where, hint="; ".join(hints))
+    out.condition = readable  # type: ignore[attr-defined]
+    out.shape_vars = involved  # type: ignore[attr-defined]
+    return out
+
+
+def _unbacked_operand(
+    op: str, readable: sympy.Symbol, involved: list[str], frame: traceback.FrameSummary | None, where: str | None
+) -> DataDependentShapeError:
+    """torch asked for the value of a declared dim (no comparison: a bare size) while tracing
+    its own control-flow op: torch before 2.14 cannot trace an operand of unbacked size."""
+    names = ", ".join(repr(n) for n in involved)
+    message = (f"torch {torch.__version__.split('+')[0]}'s {op} cannot trace an operand whose size is "
+               f"ShapeVar {names}: it asked for the size's value (`{readable}`), which an unbacked "
+               "symbolic size does not have while tracing")
+    if frame is not None and frame.line:
+        message += f", at `{frame.line.strip()}`"
+    hint = (f"torch >= 2.14 traces {op} over unbacked sizes; on this torch compile without the "
+            f"ShapeVar (a static size: one program per size)")
+    out = DataDependentShapeError(message, where=where, hint=hint)
     out.condition = readable  # type: ignore[attr-defined]
     out.shape_vars = involved  # type: ignore[attr-defined]
     return out

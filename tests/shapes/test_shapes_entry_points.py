@@ -7,6 +7,7 @@ Graph structure is asserted by counting: unbacked symbols in the inputs,
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
@@ -866,3 +867,40 @@ def test_entry_points_log_what_they_did_through_the_branchyard_logger(caplog):
 
 def add3_two(x, y):
     return x + y
+
+
+def _raised_inside(filename: str, exc: BaseException) -> BaseException:
+    """``exc`` raised from a frame of ``filename`` (as torch's own tracing would raise it)."""
+    code = compile("def trace(e):\n    raise e\n", filename, "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["trace"](exc)
+    except BaseException as raised:  # noqa: BLE001 - the test wants the traceback
+        return raised
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("op", ["cond", "while_loop"])
+def test_a_size_asked_for_inside_torchs_control_flow_tracing_names_the_op_and_the_torch_version(op):
+    # torch before 2.14 asks for the value of an operand's unbacked size while tracing its own
+    # control-flow op (a bare symbol, no comparison): the error says so, not "Python control flow"
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from branchyard.shapes.diagnostics import explain
+
+    batch = ShapeVar("batch", min=1, max=8)
+    u0 = sympy.Symbol("u0", integer=True)
+    dde = _raised_inside(f"/site-packages/torch/_higher_order_ops/{op}.py", GuardOnDataDependentSymNode(u0, "hint"))
+    err = explain(dde, dde, {u0: "batch"}, {"batch": batch})
+    text = str(err)
+    assert f"torch {torch.__version__.split('+')[0]}'s torch.{op} cannot trace an operand whose size is ShapeVar 'batch'" in text
+    assert "torch >= 2.14" in text and "Python control flow" not in text
+    assert err.shape_vars == ["batch"]
+    # a comparison raised there (a user's `if` inside a branch) is still the user's control flow
+    dde = _raised_inside(f"/site-packages/torch/_higher_order_ops/{op}.py", GuardOnDataDependentSymNode(u0 > 4, "hint"))
+    text = str(explain(dde, dde, {u0: "batch"}, {"batch": batch}))
+    assert "Python control flow depends on ShapeVar 'batch'" in text and "`batch > 4`" in text
+    # the same bare size asked for outside torch's control-flow ops is not blamed on one
+    dde = _raised_inside("/home/user/model.py", GuardOnDataDependentSymNode(u0, "hint"))
+    assert "cannot trace an operand" not in str(explain(dde, dde, {u0: "batch"}, {"batch": batch}))

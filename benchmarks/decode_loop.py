@@ -79,13 +79,35 @@ def agree(out, ref, dtype) -> tuple[bool, float]:
 
 
 def agreement(fn, model, x, dtype) -> dict:
-    """Per trip count (0, 1, 5, 40): True where ``fn`` agrees with ``model``, else the max difference."""
-    checks = {}
+    """Per trip count (0, 1, 5, 40): True where ``fn`` agrees with ``model``, else the max difference.
+    Where one differs, ``"divergence"`` says why (see :func:`divergence`)."""
+    checks: dict = {}
     for trips in (0, 1, 5, 40):
         t = torch.tensor(trips, device=DEV)
         ok, diff = agree(fn(x, t), model(x, t), dtype)
         checks[trips] = ok if ok else f"max diff {diff:.3g}"
+    if not all(v is True for v in checks.values()):
+        checks["divergence"] = divergence(fn, model, x, dtype)
     return checks
+
+
+def divergence(fn, model, x, dtype, max_trips: int = 40) -> dict:
+    """The first trip count at which ``fn`` differs from eager, and eager's router at that step:
+    the gap between its two largest logits. A gap of a bfloat16 ulp or less is a near tie that any
+    other rounding of the logits (another GEMV kernel, another summation order) may break the
+    other way; from that step on the loop runs another expert, so the outputs part."""
+    first = next((k for k in range(1, max_trips + 1)
+                  if not agree(fn(x, torch.tensor(k, device=DEV)), model(x, torch.tensor(k, device=DEV)), dtype)[0]),
+                 None)
+    if first is None:
+        return {"first_trip": None}
+    y = x
+    for _ in range(first - 1):
+        y = model.step(y)
+    logits = (y.mean(0) @ model.router).float()
+    top = torch.topk(logits, 2).values
+    return {"first_trip": first, "eager_top2_logit_gap": float(top[0] - top[1]),
+            "bf16_ulp_at_top": float(torch.finfo(torch.bfloat16).eps * top[0].abs())}
 
 
 def torch_cond_nodes(ep, args):
@@ -291,6 +313,13 @@ def markdown(rows: list[dict]) -> str:
                 cells.append("")
         cells.append(f"{r['floor_us']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
+    for r in rows:
+        for c in cols:
+            d = r.get(f"{c}_agrees", {}).get("divergence")
+            if d and d.get("first_trip"):
+                lines.append(f"\n{c}, {r['dim']}x{r['hidden']} batch {r['batch']}: differs from eager from trip "
+                             f"{d['first_trip']} on; eager's two largest router logits at that step are "
+                             f"{d['eager_top2_logit_gap']:.3g} apart (a bfloat16 ulp there: {d['bf16_ulp_at_top']:.3g})")
     for r in rows:
         mine = [(r[f"{c}_us_per_step"], c) for c in cols if c.startswith(("by_", "router_")) and f"{c}_us_per_step" in r]
         if not mine:

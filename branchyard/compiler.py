@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -156,14 +157,41 @@ def _export(model: Any, args: tuple, spec: Any) -> tuple[torch.export.ExportedPr
         return torch.export.export(mod, args), None, "torch.export.export (static shapes)"
     except BranchyardError:
         raise
-    except Exception as exc:  # torch's own export errors, said as ours with torch's first line
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    except Exception as exc:  # torch's own export errors, said as ours with torch's first lines
         raise UnsupportedGraphError(
-            f"torch.export cannot export it: {type(exc).__name__}: {first}",
+            f"torch.export cannot export it: {type(exc).__name__}: {_first_lines(str(exc))}",
             where=f"export of {name}",
-            hint="loop carries must keep their shapes and dtypes; no .item() or data-dependent sizes inside "
-            "loop bodies and branches (the full torch error is chained below)",
+            hint=next((hint for pattern, hint in _EXPORT_HINTS if pattern.search(str(exc))), _EXPORT_HINT)
+            + " (the full torch error is chained below)",
         ) from exc
+
+
+def _first_lines(text: str, limit: int = 2, width: int = 300) -> str:
+    """torch's message up to its first blank line, at most ``limit`` lines of ``width`` characters."""
+    lines = []
+    for line in text.splitlines():
+        if not line.strip():
+            if lines:
+                break
+            continue
+        lines.append(line.strip()[:width])
+        if len(lines) == limit:
+            break
+    return " ".join(lines) or "(no message)"
+
+
+_EXPORT_HINT = ("loop carries must keep their shapes and dtypes; no .item() or data-dependent sizes inside "
+                "loop bodies and branches")
+#: torch export errors with a known cause, and what to do about them.
+_EXPORT_HINTS: tuple[tuple[re.Pattern, str], ...] = (
+    # a carry whose size came back as another unbacked symbol (u4 vs u0): torch.cond gives its
+    # outputs fresh sizes when its operands' sizes are unbacked, though they are equal
+    (re.compile(r"carried_inputs to have same metadata.*differ in 'shape: torch\.Size\(\[[^\]]*\bu\d+.* vs "
+                r"torch\.Size\(\[[^\]]*\bu\d+", re.S),
+     "a loop carry came back with a new unbacked size: torch.cond (and ops of data-dependent size) give "
+     "their outputs fresh sizes when their operands' sizes are unbacked (a ShapeVar); if the sizes are "
+     "equal, say so in the loop body before returning the carry, e.g. torch._check(y.shape[0] == x.shape[0])"),
+)
 
 
 # --------------------------------------------------------------------------- passes

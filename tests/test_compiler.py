@@ -335,3 +335,39 @@ def test_a_python_int_the_program_specialised_on_is_checked_on_every_call():
         fast(torch.ones(3), 2.0, True)
     with pytest.raises(SpecViolationError, match=r"input 'flag'.*a Python bool argument is a constant"):
         fast(torch.ones(3), 2, False)
+
+
+class _NoCheckDecode(DecodeLoop):
+    """DecodeLoop without the torch._check that ties the cond's output size to the carry's."""
+
+    def step(self, x):
+        idx = torch.argmax(x.mean(0) @ self.router)
+        y = self._dispatch(0, idx, x)
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class _GrowingCarry(torch.nn.Module):
+    def forward(self, x, steps):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        return while_loop(lambda i, y: i < steps, lambda i, y: (i + 1, torch.cat([y, y])), (torch.zeros((), dtype=torch.int64), x))
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="torch 2.11's cond cannot trace an operand of unbacked size at all")
+def test_a_carry_given_a_fresh_unbacked_size_by_a_cond_says_how_to_tie_it():
+    torch.manual_seed(0)
+    decode = _fn(_NoCheckDecode(dim=16, hidden=32, num_experts=3).eval())
+    with pytest.raises(UnsupportedGraphError) as info:
+        branchyard.compile(decode, (torch.randn(4, 16), torch.tensor(2)), cuda_graph=False)
+    text = str(info.value)
+    # torch's own line saying which carry and which sizes, then the way out
+    assert "pair[1] differ in 'shape: torch.Size([u" in text
+    assert "new unbacked size" in text and "torch._check(y.shape[0] == x.shape[0])" in text
+
+
+def test_a_carry_that_really_changes_shape_gets_the_general_hint():
+    with pytest.raises(UnsupportedGraphError) as info:
+        branchyard.compile(_GrowingCarry(), (torch.randn(2, 4), torch.tensor(2)), cuda_graph=False)
+    text = str(info.value)
+    assert "loop carries must keep their shapes and dtypes" in text
+    assert "torch._check" not in text and "the full torch error is chained below" in text

@@ -3,7 +3,6 @@ conds pass on only the operands their sides read."""
 
 from __future__ import annotations
 
-import copy
 import operator
 
 import pytest

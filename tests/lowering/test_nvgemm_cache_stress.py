@@ -15,7 +15,6 @@ import multiprocessing
 import os
 import random
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -110,7 +109,6 @@ def test_processes_hammering_the_same_keys_through_damage_and_staleness(tmp_path
     for p in procs:
         p.start()
     damaged_total = 0
-    rng = random.Random(0)
     names = sorted(DAMAGES)
     try:
         for rnd in range(ROUNDS):

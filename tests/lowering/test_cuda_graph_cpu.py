@@ -554,6 +554,7 @@ class RecordingBuilder:
     def __init__(self):
         self.calls: dict[str, list[tuple]] = {"top": []}
         self.routers: list = []  # the IndexPrograms of set_router calls
+        self.decisions: list = []  # what each set kernel reads at its node: a predicate's bool, an index
         self._where = ["top"]
 
     def _log(self, *call):
@@ -568,14 +569,17 @@ class RecordingBuilder:
         if increment is not None:
             increment[0].add_(increment[1])
         by = None if increment is None else increment[1]
+        self.decisions.append(bool(pred.evaluate() if hasattr(pred, "evaluate") else pred))
         self._log("step", getattr(pred, "op", "flag"), len(handles), len(copies), counter is not None, reset, by)
 
     def set_from_index(self, handle, index, n):
+        self.decisions.append(int(index))
         self._log("set_index", n)
 
     def set_from_program(self, handle, program, n):
         from branchyard.lowering.cuda_graph.patterns import RouterLogits
 
+        self.decisions.append(int(program.evaluate()))  # the kernel reads its sources here, at the switch
         if isinstance(program.source, RouterLogits):
             r = program.source
             self._log("set_router", r.rows, tuple(r.w.shape), program.steps, n)
@@ -584,6 +588,7 @@ class RecordingBuilder:
             self._log("set_program", program.argmax, program.steps, n)
 
     def set_onehot(self, handles, index, per_kernel=8):
+        self.decisions.append(int(index))
         self._log("set_onehot", len(handles), per_kernel)
 
     def copy_many(self, pairs):
@@ -624,6 +629,7 @@ def record_capture(monkeypatch, program, args, **options) -> dict[str, list[tupl
     out = capture.ControlFlowInterpreter(gm, ctx).run(*args)
     ctx.builder.calls["result"] = out
     ctx.builder.calls["routers"] = ctx.builder.routers
+    ctx.builder.calls["decisions"] = ctx.builder.decisions
     return ctx.builder.calls
 
 
@@ -1187,3 +1193,128 @@ def test_a_core_aten_routers_steps_stay_out_of_inductor_regions():
     left = [n.target for n in body.graph.nodes if n.op == "call_function"]
     aten = torch.ops.aten
     assert {aten.mean.dim, aten.unsqueeze.default, aten.mm.default, aten.squeeze.dims} <= set(left)
+
+
+# --------------------------------------------------------------------------- writes no schema marks (no GPU)
+def _bn_writer(target, training):
+    """A batch norm of ``data`` with running statistics ``rm``/``rv``, as ``target`` spells it."""
+    aten = torch.ops.aten
+
+    def build(g, rm, rv, data):
+        if target is torch.nn.functional.batch_norm:
+            return g.call_function(target, (data, rm, rv), {"training": training})
+        if target is aten.native_batch_norm.default:
+            return g.call_function(target, (data, None, None, rm, rv, training, 0.1, 1e-5))
+        return g.call_function(target, (data, None, None, rm, rv, training, 0.1, 1e-5, False))
+
+    return build
+
+
+#: ops between a deferred value and its node that update running statistics in place although
+#: their schemas mark no argument written (branchyard.fx.mutation.UNMARKED_WRITES), and the same
+#: ops in eval mode, which write nothing.
+STAT_WRITERS = {
+    "aten.batch_norm": _bn_writer(torch.ops.aten.batch_norm.default, True),
+    "aten.native_batch_norm": _bn_writer(torch.ops.aten.native_batch_norm.default, True),
+    "torch.batch_norm": _bn_writer(torch.batch_norm, True),
+    "F.batch_norm": _bn_writer(torch.nn.functional.batch_norm, True),
+}
+STAT_READERS = {
+    "aten.batch_norm eval": _bn_writer(torch.ops.aten.batch_norm.default, False),
+    "F.batch_norm eval": _bn_writer(torch.nn.functional.batch_norm, False),
+}
+
+
+def _stats(n, first=0.0):
+    """Running statistics whose first mean is ``first``, and a batch whose column means are 0 except
+    the last, 50: a train-mode batch norm moves the last running mean to 5 (momentum 0.1)."""
+    rm = torch.zeros(n)
+    rm[0] = first
+    data = torch.zeros(8, n)
+    data[:, -1] = 50.0
+    return {"rm": rm, "rv": torch.ones(n), "data": data}
+
+
+def _with_buffers(gm, buffers):
+    for name, tensor in buffers.items():
+        gm.register_buffer(name, tensor.clone())
+    return gm
+
+
+def _gated_by_running_mean(writer):
+    """``cond(rm[-1] > 0.5, x + 1, x - 1)`` with ``writer`` updating ``rm`` between the
+    comparison and the cond: eager compares before the write (0 > 0.5: the false branch)."""
+    from branchyard.lowering.cuda_graph.fx_builders import cond_module
+
+    gm = _with_buffers(cond_module(lambda x: (x + 1,), lambda x: (x - 1,), num_operands=1), _stats(3))
+    cond = next(n for n in gm.graph.nodes if n.target is COND)
+
+    def pred(g):
+        rm, rv, data = (g.get_attr(n) for n in ("rm", "rv", "data"))
+        gt = g.call_function(torch.ops.aten.gt.Scalar, (g.call_function(torch.ops.aten.select.int, (rm, 0, -1)), 0.5))
+        writer(g, rm, rv, data)
+        return gt
+
+    cond.args = (_before(gm, cond, pred), *cond.args[1:])
+    gm.recompile()
+    return gm
+
+
+@pytest.mark.parametrize("name", [*STAT_WRITERS, *STAT_READERS])
+def test_a_comparison_is_not_deferred_across_a_running_stats_update(monkeypatch, name):
+    """A set kernel compares its operands at the IF node: after a train-mode batch norm moved
+    ``rm[-1]`` from 0 to 5, it would take the true branch where eager takes the false one."""
+    writes = name in STAT_WRITERS
+    gm = _gated_by_running_mean({**STAT_WRITERS, **STAT_READERS}[name])
+    args = (torch.tensor(True), torch.ones(4))
+    (eager,) = copy_of(gm)(*args)
+    assert torch.equal(eager, torch.zeros(4))  # the false branch: rm[-1] was 0 when compared
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, gm, args)
+    assert calls["decisions"] == [False]  # the branch the graph takes is eager's
+    assert calls["top"][0][:2] == (("step", "flag") if writes else ("step", "gt"))
+    assert (float(gm.rm[-1]) == pytest.approx(5.0)) is writes  # the capture ran the update once
+
+
+def copy_of(gm):
+    from branchyard.fx.graph_walk import copy_graph_module
+
+    return copy_graph_module(gm)
+
+
+def _indexed_by_running_mean(writer, *, router=False):
+    """A 3-way switch whose index is ``argmax(rm)`` (or a router ``argmax(rm @ w)``) clamped and
+    wrapped, with ``writer`` updating ``rm`` before the switch: eager's index is 0 (rm = [1, 0, 0]);
+    read after a train-mode update (rm = [0.9, 0, 5]) it would be 2."""
+    aten = torch.ops.aten
+    w = torch.zeros(3, 3)
+    w[range(3), range(3)] = 1.0  # rm @ w is rm
+
+    def index(g, x):
+        rm, rv, data = (g.get_attr(n) for n in ("rm", "rv", "data"))
+        source = g.call_function(aten.matmul.default, (rm, g.get_attr("router_w"))) if router else rm
+        k = g.call_function(aten.argmax.default, (source,))
+        k = g.call_function(aten.remainder.Scalar, (g.call_function(aten.clamp.default, (k, -1, 2)), 3))
+        writer(g, rm, rv, data)
+        return k
+
+    return _switch_indexed_by(index, router_w=w, **_stats(3, first=1.0))
+
+
+@pytest.mark.parametrize("router", [False, True], ids=["argmax", "router"])
+@pytest.mark.parametrize("name", [*STAT_WRITERS, *STAT_READERS])
+def test_a_switch_index_is_not_deferred_across_a_running_stats_update(monkeypatch, name, router):
+    writes = name in STAT_WRITERS
+    gm = _indexed_by_running_mean({**STAT_WRITERS, **STAT_READERS}[name], router=router)
+    args = (torch.randn(3), torch.ones(4))
+    (eager,) = copy_of(gm)(*args)
+    assert torch.equal(eager, args[1] + 1)  # branch 0
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, gm, args)
+    assert calls["decisions"] == [0]  # the branch the graph takes is eager's
+    if writes:  # argmax, clamp and remainder (and the router's matmul) ran as torch ops before the write
+        assert calls["top"] == [("set_index", 3), ("SWITCH", 3)] and calls["routers"] == []
+    elif router:
+        assert calls["top"][0][:3] == ("set_router", 1, (3, 3)) and len(calls["routers"]) == 1
+    else:
+        assert calls["top"] == [("set_program", True, (("max", -1), ("min", 2), ("mod", 3)), 3), ("SWITCH", 3)]

@@ -156,7 +156,7 @@ def test_router_argmax_leaves_the_inductor_region_for_the_set_kernel():
 def test_a_write_in_place_between_the_index_and_the_switch_keeps_torch_kernels():
     """A set kernel reads the index's source at the switch: a write between (``v.mul_``,
     ``x += 1``, an ``out=``) would change what it reads, so such chains are not deferred."""
-    from branchyard.lowering.cuda_graph.patterns import may_mutate, nothing_mutates_between
+    from branchyard.fx.mutation import may_write, nothing_written_between
 
     def build(mutate):
         gm, made = _switch_graph(CHAINS["export"])
@@ -178,18 +178,18 @@ def test_a_write_in_place_between_the_index_and_the_switch_keeps_torch_kernels()
     for name, mutate in forms.items():
         gm, made, sw = build(mutate)
         writer = sw.prev
-        assert may_mutate(writer), name
-        assert not nothing_mutates_between(made[0], sw), name
+        assert may_write(writer), name
+        assert not nothing_written_between(made[0], sw), name
         assert [feeds_only_switch_index(n, _is_switch) for n in made] == [False] * 3, name
     # pure ops in between are fine
     gm, made, sw = build(lambda g, v: g.call_function(aten.mul.Tensor, (v, v)))
-    assert not may_mutate(sw.prev) and [feeds_only_switch_index(n, _is_switch) for n in made] == [True] * 3
+    assert not may_write(sw.prev) and [feeds_only_switch_index(n, _is_switch) for n in made] == [True] * 3
     gm, made, sw = build(lambda g, v: g.call_method("reshape", (v, -1)))
-    assert not may_mutate(sw.prev) and nothing_mutates_between(made[0], sw)
+    assert not may_write(sw.prev) and nothing_written_between(made[0], sw)
 
 
-def test_may_mutate_looks_into_called_modules():
-    from branchyard.lowering.cuda_graph.patterns import may_mutate
+def test_may_write_looks_into_called_modules():
+    from branchyard.fx.mutation import may_write
 
     class Pure(torch.nn.Module):
         def forward(self, x):
@@ -215,7 +215,7 @@ def test_may_mutate_looks_into_called_modules():
 
     graph = Leaves().trace(Outer())
     gm = torch.fx.GraphModule(Outer(), graph)
-    calls = {n.target: may_mutate(n) for n in gm.graph.nodes if n.op == "call_module"}
+    calls = {n.target: may_write(n) for n in gm.graph.nodes if n.op == "call_module"}
     assert calls == {"pure": False, "writes": True, "opaque": True}
 
 
@@ -264,7 +264,7 @@ def test_writes_by_an_argument_or_a_mutable_op_packet_stop_deferral():
     before the write ([-3, -1, -2] -> 1), a set kernel would read it after ([0, 0, 0] -> 0)."""
     import torch.nn.functional as F
 
-    from branchyard.lowering.cuda_graph.patterns import may_mutate
+    from branchyard.fx.mutation import may_write
 
     torch.library.define("branchyard_review::write_into", "(Tensor(a!) x) -> ()")
     forms = {
@@ -282,11 +282,11 @@ def test_writes_by_an_argument_or_a_mutable_op_packet_stop_deferral():
         v = next(n for n in gm.graph.nodes if n.op == "placeholder")
         with gm.graph.inserting_before(sw):
             mutate(gm.graph, v)
-        assert may_mutate(sw.prev), name
+        assert may_write(sw.prev), name
         assert [feeds_only_switch_index(n, _is_switch) for n in made] == [False] * 3, name
     g = torch.fx.Graph()
     v = g.placeholder("v")
     pure = [g.call_function(F.relu, (v,)), g.call_function(F.relu, (v,), {"inplace": False}),
             g.call_function(F.batch_norm, (v, None, None)), g.call_function(aten.add, (v, v)),
             g.call_function(aten.argmax, (v,))]
-    assert [may_mutate(n) for n in pure] == [False] * 5
+    assert [may_write(n) for n in pure] == [False] * 5

@@ -38,6 +38,8 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from branchyard.errors import BranchyardError, LoweringError, UnsupportedGraphError
+from branchyard.fx.call_arguments import bind_call
+from branchyard.fx.mutation import nothing_written_between
 from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handler_for, is_switch_node
 from branchyard.lowering.cuda_graph.patterns import (
     COMPARISONS,
@@ -51,7 +53,6 @@ from branchyard.lowering.cuda_graph.patterns import (
     match_index_step,
     match_router_step,
     router_feeds_switch,
-    nothing_mutates_between,
     out_form,
 )
 
@@ -105,25 +106,13 @@ RNG_OFF_ARGUMENTS: dict[str, Any] = {"train": False, "training": False, "p": 0.0
 
 
 def _draws_nothing(target: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a random op called with these arguments draws no random numbers (see
-    :data:`RNG_OFF_ARGUMENTS`): ``aten.dropout(x, 0.1, False)`` does not, for one."""
-    import inspect
+    """Whether a random op called with these arguments draws no random numbers, however
+    it binds (see :data:`RNG_OFF_ARGUMENTS`): ``aten.dropout(x, 0.1, False)`` does not, for one."""
+    calls = bind_call(target, args, kwargs)
+    return bool(calls) and all(_turned_off(call.arguments) for call in calls)
 
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = target.default
-    if isinstance(target, torch._ops.OpOverload):
-        schema = target._schema.arguments
-        names = [a.name for a in schema]
-        bound = {a.name: a.default_value for a in schema if a.has_default_value()}
-        bound.update(zip(names, args))
-        bound.update(kwargs)
-    else:
-        try:
-            call = inspect.signature(target).bind(*args, **kwargs)
-        except (TypeError, ValueError):
-            return False
-        call.apply_defaults()
-        bound = dict(call.arguments)
+
+def _turned_off(bound: dict[str, Any]) -> bool:
     for name, off in RNG_OFF_ARGUMENTS.items():
         value = bound.get(name)
         if isinstance(value, (bool, int, float)) and type(value) is type(off) and value == off:
@@ -266,7 +255,7 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                     return False
             elif not (handler_for(user.target) is HANDLERS["cond"] and user.args and user.args[0] is n):
                 return False
-            if not nothing_mutates_between(n, user):
+            if not nothing_written_between(n, user):
                 return False
         return bool(n.users)
 
@@ -369,7 +358,7 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
         """``target(*args, out=buffer)`` when it has an out form and the validated result matches ``buffer``."""
         if "out" in kwargs or self.ctx.node_meta.get(self._node) != (tuple(buffer.shape), buffer.dtype):
             return None
-        form = out_form(target, args)
+        form = out_form(target, args, kwargs)
         if form is None:
             return None
         form(*args, **kwargs, out=buffer)

@@ -61,6 +61,11 @@ class InductorRegion(torch.nn.Module):
         self.ops = gm  # not a child the lowering walks into: it is called as a module
         self._compiled: Any = None
 
+    @property
+    def graph_module(self) -> GraphModule:
+        """The ops a call runs (what :mod:`branchyard.fx.mutation` reads to see what it writes)."""
+        return self.ops
+
     def forward(self, *args: Any) -> Any:
         if any(_is_fake(a) for a in args) or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             return self.ops(*args)

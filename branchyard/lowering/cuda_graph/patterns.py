@@ -50,14 +50,14 @@ debug level) when a node does not fit; the capture then runs it as torch would.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from branchyard.fx.mutation import call_writes, nothing_written_between
 
 __all__ = [
     "COMPARE_CODES",
@@ -73,8 +73,6 @@ __all__ = [
     "router_feeds_switch",
     "match_router_step",
     "feeds_only_switch_index",
-    "may_mutate",
-    "nothing_mutates_between",
     "match_comparison",
     "match_index_step",
     "match_increment",
@@ -486,91 +484,13 @@ def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool], _source
         if node in rest:
             return False  # also an operand (of a branch, or a bound)
         if is_switch(user):
-            if not nothing_mutates_between(source, user):
+            if not nothing_written_between(source, user):
                 return False
             continue
         if not (_hashable(user.target) and INDEX_STEPS.get(user.target) in ("clamp", "remainder")):
             return False
         if not feeds_only_switch_index(user, is_switch, source):
             return False
-    return True
-
-
-# --------------------------------------------------------------------------- deferral is safe
-#: Python operators that write their first operand (``x += y`` on a tensor).
-_INPLACE_OPERATORS = frozenset(getattr(operator, f"i{name}") for name in (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul",
-)) | {operator.setitem, operator.delitem}
-
-
-def may_mutate(node: Any) -> bool:
-    """Whether the FX ``node`` may write a tensor in place (conservative: unknown code may).
-
-    Control-flow operators count as pure: torch requires their bodies not to
-    mutate their inputs, and the lowering's validation runs the same bodies.
-    """
-    if node.op in ("placeholder", "get_attr", "output"):
-        return False
-    if node.kwargs.get("out") is not None:
-        return True
-    target = node.target
-    if node.op == "call_method":
-        return not isinstance(target, str) or target.endswith("_")
-    if node.op == "call_module":
-        sub = node.graph.owning_module.get_submodule(target) if node.graph.owning_module is not None else None
-        graph = getattr(sub, "graph", None) or getattr(getattr(sub, "ops", None), "graph", None)  # InductorRegion.ops
-        return graph is None or any(may_mutate(n) for n in graph.nodes)
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        # torch.ops.lib.op: any overload may be the one called; an .out overload's write is out= (above)
-        return any(a.alias_info is not None and a.alias_info.is_write and not a.kwarg_only
-                   for name in target.overloads() for a in getattr(target, name)._schema.arguments)
-    if isinstance(target, torch._ops.HigherOrderOperator) or target is operator.getitem:
-        return False
-    if not _hashable(target) or target in _INPLACE_OPERATORS:
-        return True
-    if isinstance(target, types.FunctionType) and not (target.__module__ or "").startswith(("torch", "branchyard")):
-        return True  # user code (torch.fx.wrap): unknown
-    return getattr(target, "__name__", "").endswith("_") or _writes_by_argument(target, node.args, node.kwargs)
-
-
-#: Arguments by which a torch function writes in place although its name has no ``_``
-#: (``F.relu(x, inplace=True)``; ``F.batch_norm`` updates its running statistics when training):
-#: argument name -> whether its value (an FX node: unknown) may make the call write.
-_WRITE_ARGUMENTS: dict[str, Callable[[Any], bool]] = {
-    "inplace": lambda v: v is not False,
-    "running_mean": lambda v: v is not None,
-    "running_var": lambda v: v is not None,
-}
-
-
-def _writes_by_argument(target: Any, args: tuple, kwargs: dict) -> bool:
-    if any(name in kwargs and writes(kwargs[name]) for name, writes in _WRITE_ARGUMENTS.items()):
-        return True
-    try:
-        signatures = [inspect.signature(target)]
-    except (TypeError, ValueError):  # a builtin: the TorchScript schemas' signatures
-        signatures = torch.fx.operator_schemas.get_signature_for_torch_op(target) or []
-    for signature in signatures:
-        try:
-            bound = signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            continue
-        if any(name in bound and writes(bound[name]) for name, writes in _WRITE_ARGUMENTS.items()):
-            return True
-    return False
-
-
-def nothing_mutates_between(first: Any, last: Any) -> bool:
-    """Whether no node strictly between ``first`` and ``last`` (one graph, in order) may
-    write a tensor in place: what a value computed at ``first`` and read at ``last``
-    needs, when a set kernel reads its operands only at ``last``."""
-    node = first.next
-    while node is not last:
-        if node.op == "root" or may_mutate(node):
-            return False
-        node = node.next
     return True
 
 
@@ -611,14 +531,18 @@ _TORCH_OUT_FORMS: dict[Any, Callable] = {
 _OUT_CACHE: dict[Any, Callable | None] = {}
 
 
-def out_form(target: Any, args: tuple) -> Callable | None:
-    """A callable ``f(*args, out=buffer, **kwargs)`` that computes ``target(*args)`` into ``buffer``, or None.
+def out_form(target: Any, args: tuple, kwargs: dict | None = None) -> Callable | None:
+    """A callable ``f(*args, out=buffer, **kwargs)`` that computes ``target(*args, **kwargs)`` into ``buffer``, or None.
 
     For an aten overload this is its ``.out`` sibling (same arguments plus one
     ``out`` tensor); for Python operators and common torch functions, the
-    torch function. The first operand must be a tensor (``2 + x`` has no out form).
+    torch function. The first operand must be a tensor (``2 + x`` has no out form),
+    and a call that writes memory in place (:func:`branchyard.fx.mutation.call_writes`:
+    ``add_``, batch norm in training) keeps its own semantics.
     """
     if not args or not isinstance(args[0], torch.Tensor) or not _hashable(target):
+        return None
+    if call_writes(target, args, kwargs or {}):
         return None
     if isinstance(target, torch._ops.OpOverload):
         if target not in _OUT_CACHE:
@@ -629,8 +553,8 @@ def out_form(target: Any, args: tuple) -> Callable | None:
 
 def _aten_out_overload(op: torch._ops.OpOverload) -> Callable | None:
     schema = op._schema
-    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None or schema.is_mutable:
-        return None  # views, in-place ops and multi-output ops keep their own semantics
+    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
+        return None  # views and multi-output ops keep their own semantics (writers: out_form)
     want = [(a.name, str(a.type)) for a in schema.arguments]
     packet = op._overloadpacket
     for name in packet.overloads():

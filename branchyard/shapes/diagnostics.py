@@ -57,22 +57,29 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
 
 
 _HOP_FILE = re.compile(r"_higher_order_ops[/\\](\w+)\.py$")
+#: torch's control-flow ops by the file that traces them.
+_CONTROL_FLOW_OPS = {"cond": "torch.cond", "while_loop": "torch.while_loop", "map": "torch.map",
+                     "scan": "scan", "associative_scan": "associative_scan"}
+_FAKEIFY_FILE = re.compile(r"_subclasses[/\\]meta_utils\.py$")
 
 
 def _tracing_control_flow_op(err: BaseException) -> str | None:
-    """The torch control-flow op (``torch.cond``, ``torch.while_loop``, ...) whose own tracing
-    raised ``err``, from the innermost such frame of its traceback chain."""
+    """The torch control-flow op (``torch.cond``, ``torch.while_loop``, ...) whose tracing raised
+    ``err`` while making a fake tensor of one of its operands (torch asking for the value of the
+    operand's size), not while running the user's code inside a branch or body."""
     seen: set[int] = set()
     cur: BaseException | None = err
-    found = None
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        op = None
         for frame in traceback.extract_tb(cur.__traceback__):
             m = _HOP_FILE.search(frame.filename)
-            if m and not m.group(1).startswith("_"):
-                found = m.group(1)
+            if m and m.group(1) in _CONTROL_FLOW_OPS:
+                op = _CONTROL_FLOW_OPS[m.group(1)]
+            elif op is not None and _FAKEIFY_FILE.search(frame.filename):
+                return op
         cur = cur.__cause__ or cur.__context__
-    return None if found is None else f"torch.{found}"
+    return None
 
 
 def _suggest_range(cond: sympy.Basic, var: ShapeVar) -> str | None:

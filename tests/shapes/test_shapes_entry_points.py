@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx as torch_make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import branchyard.shapes as shapes
+from branchyard._compat import TORCH_VERSION
 from branchyard.errors import DataDependentShapeError, ShapeSpecError, SpecViolationError
 from branchyard.shapes import ShapesSpec, ShapeVar, dynamic_spec
 
@@ -869,38 +870,68 @@ def add3_two(x, y):
     return x + y
 
 
-def _raised_inside(filename: str, exc: BaseException) -> BaseException:
-    """``exc`` raised from a frame of ``filename`` (as torch's own tracing would raise it)."""
-    code = compile("def trace(e):\n    raise e\n", filename, "exec")
+def _raised_inside(filenames: list[str], exc: BaseException) -> BaseException:
+    """``exc`` raised through frames of ``filenames``, outermost first (as torch's tracing raises it)."""
     scope: dict = {}
-    exec(code, scope)
+    inner = "raise e"
+    for depth, filename in enumerate(reversed(filenames)):
+        name = f"f{depth}"
+        exec(compile(f"def {name}(e):\n    {inner}\n", filename, "exec"), scope)
+        inner = f"{name}(e)"
     try:
-        scope["trace"](exc)
+        scope[f"f{len(filenames) - 1}"](exc)
     except BaseException as raised:  # noqa: BLE001 - the test wants the traceback
         return raised
     raise AssertionError("unreachable")
 
 
+_HOP = "/site-packages/torch/_higher_order_ops/{}.py"
+_FAKEIFY = "/site-packages/torch/_subclasses/meta_utils.py"
+
+
 @pytest.mark.parametrize("op", ["cond", "while_loop"])
-def test_a_size_asked_for_inside_torchs_control_flow_tracing_names_the_op_and_the_torch_version(op):
-    # torch before 2.14 asks for the value of an operand's unbacked size while tracing its own
-    # control-flow op (a bare symbol, no comparison): the error says so, not "Python control flow"
+def test_a_size_asked_for_while_torch_fakes_a_control_flow_operand_names_the_op_and_torch(op):
+    # torch before 2.14 asks for the value of an operand's unbacked size while making the fake
+    # tensor of a control-flow op's operand: the error says so, not "Python control flow"
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     from branchyard.shapes.diagnostics import explain
 
     batch = ShapeVar("batch", min=1, max=8)
     u0 = sympy.Symbol("u0", integer=True)
-    dde = _raised_inside(f"/site-packages/torch/_higher_order_ops/{op}.py", GuardOnDataDependentSymNode(u0, "hint"))
-    err = explain(dde, dde, {u0: "batch"}, {"batch": batch})
+
+    def explained(frames, cond):
+        dde = _raised_inside(frames, GuardOnDataDependentSymNode(cond, "hint"))
+        return explain(dde, dde, {u0: "batch"}, {"batch": batch})
+
+    err = explained([_HOP.format(op), _FAKEIFY], u0)
     text = str(err)
     assert f"torch {torch.__version__.split('+')[0]}'s torch.{op} cannot trace an operand whose size is ShapeVar 'batch'" in text
     assert "torch >= 2.14" in text and "Python control flow" not in text
     assert err.shape_vars == ["batch"]
-    # a comparison raised there (a user's `if` inside a branch) is still the user's control flow
-    dde = _raised_inside(f"/site-packages/torch/_higher_order_ops/{op}.py", GuardOnDataDependentSymNode(u0 > 4, "hint"))
-    text = str(explain(dde, dde, {u0: "batch"}, {"batch": batch}))
+    # a comparison there is a user's `if` inside a branch: still the user's control flow
+    text = str(explained([_HOP.format(op), _FAKEIFY], u0 > 4))
     assert "Python control flow depends on ShapeVar 'batch'" in text and "`batch > 4`" in text
-    # the same bare size asked for outside torch's control-flow ops is not blamed on one
-    dde = _raised_inside("/home/user/model.py", GuardOnDataDependentSymNode(u0, "hint"))
-    assert "cannot trace an operand" not in str(explain(dde, dde, {u0: "batch"}, {"batch": batch}))
+    # a size asked for inside the op but not to fake an operand (the user's code in a branch),
+    # in a helper module of torch's control-flow ops, or outside them: not blamed on the op
+    for frames in ([_HOP.format(op)], [_HOP.format("utils"), _FAKEIFY], ["/home/user/model.py", _FAKEIFY]):
+        assert "cannot trace an operand" not in str(explained(frames, u0))
+
+
+@pytest.mark.skipif(TORCH_VERSION < (2, 14), reason="torch 2.11's cond cannot fake the unbacked operand at all")
+def test_a_python_loop_over_a_declared_size_inside_a_branch_is_the_users_control_flow():
+    spec_batch = ShapeVar("batch", min=1, max=8)
+
+    @dynamic_spec({"x": (spec_batch, 16)})
+    def f(x):
+        def grow(u):
+            for _ in range(u.shape[0]):
+                u = u + 1
+            return u
+
+        return torch.cond(x.sum() > 0, grow, lambda u: -u, (x,))
+
+    with pytest.raises(DataDependentShapeError) as info:
+        shapes.export(f, (torch.randn(4, 16),))
+    text = str(info.value)
+    assert "Python control flow depends on ShapeVar 'batch'" in text and "cannot trace an operand" not in text

@@ -323,17 +323,3 @@ def test_tuned_call_outputs_are_fresh_tensors(monkeypatch, tmp_path):
     assert len({o.data_ptr() for o in outs}) == 3
     for x, o in zip(xs, outs):
         torch.testing.assert_close(o, torch.relu(x @ w + bias))
-
-
-def test_key_builders_per_operand_count_agree_with_the_general_one():
-    """Each unrolled key equals the loop's key, tensor for tensor (the same plan is found either way)."""
-    a, b = torch.randn(3, 5, 8), torch.randn(6, 8)
-    for n in range(7):
-        ops = [torch.randn(1, 6) if i % 2 else torch.randn(3, 5, 6).transpose(0, 1) for i in range(n)]
-        want = op_mod._key_any("s", "host", a, b, ops)
-        assert len(want) == 10 + 4 * n
-        assert op_mod._signature(a, b, ops, "s", "host") == want
-        if n < len(op_mod._KEYS):
-            assert op_mod._KEYS[n]("s", "host", a, b, ops) == want
-    with pytest.raises(ValueError):  # an unrolled builder never drops an operand
-        op_mod._KEYS[2]("s", "host", a, b, [a, a, a])

@@ -254,45 +254,61 @@ def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], s
     """The key of a call's :class:`CallPlan`: everything a plan depends on --
     ``(spec, mode)``, then ``(shape, stride, dtype, device)`` of ``a``, ``b`` and
     each operand, flat -- built from attributes that cost no dispatcher call."""
-    n = len(operands)
-    return (_KEYS[n] if n < _N_KEYS else _key_any)(spec, mode, a, b, operands)
-
-
-def _key_any(spec, mode, a, b, operands) -> tuple:
     key = [spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device]
     for t in operands:
         key += (t.shape, t.stride(), t.dtype, t.device)
     return tuple(key)
 
 
-# The same key for 0-3 operands, each as one tuple display: no list to grow and
-# copy, no loop.
-def _key0(spec, mode, a, b, operands) -> tuple:
-    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device)
+try:  # Dynamo's tensor guard: one C++ call checks what _signature reads with four Python calls a tensor
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch without it
+    _TensorGuards = None
+#: Plans kept under one coarse key (:func:`_coarse_key`): signatures that differ only in
+#: strides, dtypes, device type or dispatch state (inference mode or not, say).
+_GUARDED_PER_KEY = 8
 
 
-def _key1(spec, mode, a, b, operands) -> tuple:
-    (o,) = operands
-    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            o.shape, o.stride(), o.dtype, o.device)
+def _coarse_key(spec: str, mode: str, a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor]) -> tuple:
+    """Where :func:`_guarded_plan` looks: the spec, the mode, the operand count (a
+    guard takes that many tensors), the input's device index (one replica per GPU)
+    and the two shapes that tell a model's matmuls apart (M, N, K)."""
+    return (spec, mode, len(operands), a.get_device(), a.shape, b.shape)
 
 
-def _key2(spec, mode, a, b, operands) -> tuple:
-    o, p = operands
-    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            o.shape, o.stride(), o.dtype, o.device, p.shape, p.stride(), p.dtype, p.device)
+def _guard(tensors: tuple[torch.Tensor, ...]) -> object | None:
+    """A check that later tensors have these sizes, strides, dtypes, devices,
+    Python types, ``requires_grad`` and dispatch keys (under the thread's
+    dispatch state then): all :func:`_signature` keys on and more, so a tensor
+    it passes has this signature. ``None`` where this torch cannot make one."""
+    if _TensorGuards is None:
+        return None
+    try:  # both lists given: every dimension static (the constructor needs them)
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except (TypeError, RuntimeError):  # pragma: no cover - another torch's constructor
+        return None
 
 
-def _key3(spec, mode, a, b, operands) -> tuple:
-    o, p, q = operands
-    return (spec, mode, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            o.shape, o.stride(), o.dtype, o.device, p.shape, p.stride(), p.dtype, p.device,
-            q.shape, q.stride(), q.dtype, q.device)
+def _guarded_plan(tuner: Autotuner, coarse: tuple, a, b, operands) -> CallPlan | None:
+    """The plan of a signature met before, found without its key: each plan kept
+    under ``coarse`` whose guard the tensors pass (:func:`_keep_guarded`)."""
+    for guard, call in tuner.guarded_plans.get(coarse, ()):
+        if guard.check(a, b, *operands):
+            return call
+    return None
 
 
-#: The key builder per operand count (:func:`_key_any` past its end).
-_KEYS = (_key0, _key1, _key2, _key3)
-_N_KEYS = len(_KEYS)
+def _keep_guarded(tuner: Autotuner, coarse: tuple, a, b, operands, call: CallPlan) -> None:
+    """Keep ``call`` (found in ``tuner.call_plans`` for these tensors' signature) under
+    ``coarse`` with a guard of the tensors, newest first."""
+    guard = _guard((a, b, *operands))
+    if guard is None:
+        return
+    plans = tuner.guarded_plans
+    if len(plans) >= _PLANS_LIMIT:
+        plans.clear()
+    plans[coarse] = ((guard, call), *plans.get(coarse, ())[:_GUARDED_PER_KEY - 1])
 
 
 def _as_2d(plan: _SpecPlan, call: CallPlan, a, b, operands):
@@ -412,6 +428,7 @@ def _first_sight(a, b, operands, spec: str, mode: TimingMode, key: tuple, tuner:
     call = _plan_call(a, b, operands, _spec_plan(spec), spec, mode, tuner)
     if len(tuner.call_plans) >= _PLANS_LIMIT:
         tuner.call_plans.clear()
+        tuner.guarded_plans.clear()
     tuner.call_plans[key] = call
     return call
 
@@ -457,23 +474,28 @@ def _fused_gemm_epilogue(
     """The kernel of both overloads on every backend (see the module docstring
     for semantics): ``out=None`` is the functional op, else the ``out=`` one.
 
-    A known signature costs one key, one dict lookup, the views the impl takes
+    A known signature costs a coarse key and a guard check (its full key and
+    lookup once more, until it is kept with a guard), the views the impl takes
     (the weight's is remembered), a pointer-alignment check, the output
     allocation (or ``out``'s checks) and the plan's launch (for our fused
     kernels, the launch alone: their checks ran when the plan was made).
     """
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
-    n_ops = len(operands)
-    key = (_KEYS[n_ops] if n_ops < _N_KEYS else _key_any)(spec, mode, a, b, operands)  # _signature, one call fewer
-    call = tuner.call_plans.get(key)
+    coarse = _coarse_key(spec, mode, a, b, operands)
+    call = _guarded_plan(tuner, coarse, a, b, operands)
     if call is None:
-        call = _first_sight(a, b, operands, spec, mode, key, tuner)
-        if call is None:
-            s = _spec_plan(spec).spec
-            if out is not None:
-                _check_out(out, (*a.shape[:-1], _dims(a, b, s)[1]), s.out_dtype, a.device)
-            return _unfused(a, b, operands, s, out)
+        key = _signature(a, b, operands, spec, mode)
+        call = tuner.call_plans.get(key)
+        if call is not None:
+            _keep_guarded(tuner, coarse, a, b, operands, call)
+        else:
+            call = _first_sight(a, b, operands, spec, mode, key, tuner)
+            if call is None:
+                s = _spec_plan(spec).spec
+                if out is not None:
+                    _check_out(out, (*a.shape[:-1], _dims(a, b, s)[1]), s.out_dtype, a.device)
+                return _unfused(a, b, operands, s, out)
     if out is not None:
         _check_out(out, call.out_shape, call.out_dtype, call.device)
     impl = call.impl

@@ -203,6 +203,9 @@ class Autotuner:
         #: The fused op's decision per call signature (``op.CallPlan``), made on a
         #: signature's first call; a re-tune (:meth:`tune`) clears it.
         self.call_plans: dict[tuple, Any] = {}
+        #: The op's shortcut to ``call_plans`` (``op._guarded_plan``): per coarse key,
+        #: plans found there, each with a C++ guard of its signature; cleared with it.
+        self.guarded_plans: dict[tuple, tuple] = {}
         self._lock = threading.RLock()
         #: Every tuning result of this process, by key (the benchmark reads it).
         self.results: dict[str, TuneResult] = {}
@@ -298,6 +301,7 @@ class Autotuner:
             self._impls[self._bucket_key(a, b_kn, operands, str(spec), mode)] = result.impl  # type: ignore[assignment]
             self._exact.clear()
             self.call_plans.clear()
+            self.guarded_plans.clear()
         return result
 
     def _tune(self, problem, key, cands, a, b_kn, operands) -> TuneResult:

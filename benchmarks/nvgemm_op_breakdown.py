@@ -3,11 +3,12 @@
 Companion of ``nvgemm_op_overhead.py`` (same no-op implementation, so nothing
 launches): the whole call through the dispatcher (``op``), the op's own
 Python (``body``), and the pieces of the body -- the timing-mode lookup, the
-call's key, the plan lookup, the output allocation (the plan's allocator, and
-``torch.empty_strided`` beside it), the weight view, pointer reads -- each in a
-loop of its own. Also says whether the Autograd kernel
-takes its direct path for these tensors. Microseconds per call, median of 7
-blocks::
+coarse key and the guarded lookup a known signature takes (beside them the
+full key and its lookup, which only a signature's first calls take), the
+output allocation (the plan's allocator, and ``torch.empty_strided`` beside
+it), the weight view, pointer reads -- each in a loop of its own. Also says
+whether the Autograd kernel takes its direct path for these tensors.
+Microseconds per call, median of 7 blocks::
 
     python benchmarks/nvgemm_op_breakdown.py [--device cuda|cpu] [--calls 5000]
 """
@@ -51,11 +52,16 @@ def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:
         tuner = op_mod.tuner_mod._default
         key = op_mod._signature(a, w, ops, spec, current_timing_mode())
         call = tuner.call_plans[key]
+        op(a, w, ops, spec)  # a second call keeps the plan with a guard
+        coarse = op_mod._coarse_key(spec, current_timing_mode(), a, w, ops)
+        assert op_mod._guarded_plan(tuner, coarse, a, w, ops) is call
         pieces = {
             "aten_noop": lambda: torch.ops.aten.alias.default(a),
             "op": lambda: op(a, w, ops, spec),
             "body": lambda: op_mod._fused_gemm_epilogue(a, w, ops, spec),
             "timing_mode": current_timing_mode,
+            "coarse_key": lambda: op_mod._coarse_key(spec, "host", a, w, ops),
+            "guarded_plan": lambda: op_mod._guarded_plan(tuner, coarse, a, w, ops),
             "signature": lambda: op_mod._signature(a, w, ops, spec, "host"),
             "plan_lookup": lambda: tuner.call_plans.get(key),
             "empty_strided": lambda: torch.empty_strided((16, 128), (128, 1), dtype=dtype, device=call.device),

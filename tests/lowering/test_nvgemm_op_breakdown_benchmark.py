@@ -13,7 +13,7 @@ def test_breakdown_times_every_piece_and_reports_the_direct_path(load_benchmark,
     monkeypatch.setattr(op_mod, "_DIRECT", {})  # only the keysets this run sees (others' tests add their own)
     bench = load_benchmark("nvgemm_op_breakdown")
     got = bench.main(["--calls", "50"])
-    pieces = {"aten_noop", "op", "body", "timing_mode", "signature", "plan_lookup", "empty_strided",
+    pieces = {"aten_noop", "op", "body", "timing_mode", "coarse_key", "guarded_plan", "signature", "plan_lookup", "empty_strided",
               "plan_alloc", "weight_view", "data_ptr_x3"}
     assert pieces <= set(got) and all(got[p] > 0 for p in pieces)
     # the whole call costs more than the no-op floor; CPU tensors take the Autograd kernel's direct path

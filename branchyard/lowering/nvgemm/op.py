@@ -283,9 +283,8 @@ def _guard(tensors: tuple[torch.Tensor, ...]) -> object | None:
     it passes has this signature. ``None`` where this torch cannot make one."""
     if _TensorGuards is None:
         return None
-    try:  # both lists given: every dimension static (the constructor needs them)
-        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    try:  # None: every size and stride static, as the tensors have them (both keywords required)
+        return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
     except (TypeError, RuntimeError):  # pragma: no cover - another torch's constructor
         return None
 

@@ -2,7 +2,8 @@
 (issue 12 part 2; the CPU tests are tests/lowering/test_nvgemm_op_dispatch.py
 and tests/lowering/test_nvgemm_inductor_candidate.py): a tuned signature
 neither plans nor queries the capture state again and replays correctly from
-a CUDA graph with its remembered weight view; the ``triton:inductor``
+a CUDA graph with its remembered weight view, and finds its plan through
+its guard per device; the ``triton:inductor``
 candidate compiles more than eight chains in one process with no Dynamo frame,
 its calls leave Dynamo's counters alone, a compiled shape captures into a CUDA
 graph, and a shape first seen inside a capture runs the eager chain
@@ -141,6 +142,47 @@ def test_tuned_signature_skips_the_capture_query_and_replays_with_the_weight_vie
     finally:
         nv_tuner.set_autotuner(None)
 
+
+
+def test_guarded_plans_on_cuda_keep_one_plan_per_device_and_replay_from_a_capture(tmp_path):
+    """A tuned signature is found through its coarse key and C++ guard on CUDA
+    tensors: each device (the first two) keeps its own plan and output device,
+    a weight of other strides on one device gets its own plan, and a call
+    found through its guard replays from a CUDA graph after the input changed."""
+    cands = lambda p: [c for c in nv_candidates.default_candidates(p, inductor=False)  # noqa: E731
+                       if c.name in ("cublas:addmm+aten", "aten:unfused")]
+    tuner = nv_tuner.Autotuner(cands, db=nv_winners.WinnerDB(tmp_path), progress=False)
+    nv_tuner.set_autotuner(tuner)
+    try:
+        cases = []
+        for index in range(min(torch.cuda.device_count(), 2)):
+            with torch.cuda.device(index):
+                cases.append(_case("bias@0;gelu_tanh;residual@1", 64, 256, 128, seed=7 + index, layout="nk"))
+        a, w, ops, spec = cases[0]
+        cases.append((a, w.t().contiguous().t(), ops, spec))  # [N, K] with other strides, same device
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NvGemmFallbackWarning)
+            for _ in range(3):
+                for a, w, ops, spec in cases:
+                    with torch.cuda.device(a.device):
+                        got = FUSED(a, w, ops, str(spec))
+                    assert got.device == a.device
+                    torch.testing.assert_close(got.float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
+            assert len(tuner.call_plans) == len(cases)
+            for a, w, ops, spec in cases:
+                coarse = op_mod._coarse_key(str(spec), "host", a, w, ops)
+                call = op_mod._guarded_plan(tuner, coarse, a, w, ops)
+                assert call is tuner.call_plans[op_mod._signature(a, w, ops, str(spec), "host")]
+                assert call.device == a.device and call.b_meta == (w.shape, w.stride())
+            a, w, ops, spec = cases[0]
+            with torch.cuda.device(a.device):
+                graph, captured = capture_after_warmup(lambda: FUSED(a, w, ops, str(spec)))
+                a.copy_(torch.randn_like(a))
+                graph.replay()
+                torch.cuda.synchronize()
+        torch.testing.assert_close(captured.float(), reference_fused_gemm(a, w, ops, spec).float(), **TOL)
+    finally:
+        nv_tuner.set_autotuner(None)
 
 def test_plan_allocator_on_cuda_matches_torch_empty_on_every_device():
     """The tuned call's output buffer on CUDA: what ``torch.empty`` makes on the

@@ -25,14 +25,25 @@ column also as a ratio to ``aten_noop`` of the same rounds):
 
     python benchmarks/nvgemm_op_overhead.py [--calls 2000] [--repeats 15] [--device cpu|cuda] [--markdown]
 
+``--against OLD [--rounds 8]`` compares this checkout with another one (a
+worktree of an older commit, say) side by side: each round runs the
+measurement once per checkout, each in a fresh process importing that
+checkout's ``branchyard`` and this script, the order alternating between
+rounds; per column the median (range) over rounds, the median multiple of
+``aten_noop`` and the median of the per-round ratios new / old.
+
 Figures go to docs/benchmarks.md (machine, versions, date).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -167,6 +178,43 @@ def measure(calls: int = 2000, repeats: int = 15, m: int = 16, k: int = 64, n: i
         return _interleaved(columns, calls, repeats)
 
 
+def _measure_in(checkout: str, calls: int, repeats: int, device: str) -> dict[str, float]:
+    """:func:`measure` in a fresh process that imports ``checkout``'s ``branchyard`` and this script."""
+    code = ("import json, sys, torch; sys.path.insert(1, sys.argv[1]); torch.set_num_threads(1); "
+            "import branchyard, nvgemm_op_overhead as bench; "
+            "print(json.dumps([branchyard.__file__, bench.measure(int(sys.argv[2]), int(sys.argv[3]), "
+            "device=sys.argv[4])]))")
+    here = os.path.dirname(os.path.abspath(__file__))
+    checkout = os.path.abspath(checkout)  # also the working directory: ``python -c`` imports from there first
+    done = subprocess.run([sys.executable, "-c", code, here, str(calls), str(repeats), device], cwd=checkout,
+                          env={**os.environ, "PYTHONPATH": checkout}, capture_output=True, text=True, check=True)
+    where, got = json.loads(done.stdout.strip().splitlines()[-1])
+    if not where.startswith(checkout + os.sep):
+        raise RuntimeError(f"the run for {checkout} imported {where}")
+    return got
+
+
+def compare(old: str, new: str, rounds: int = 8, calls: int = 2000, repeats: int = 11,
+            device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Per column of :func:`measure`: ``old``/``new`` medians over ``rounds`` (and
+    ``*_min``/``*_max``), ``old_x``/``new_x`` the median multiple of ``aten_noop``, and
+    ``ratio`` the median of the per-round ratios new / old. Each round measures
+    both checkouts, the order alternating."""
+    runs: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    for r in range(rounds):
+        for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            runs[side].append(_measure_in(old if side == "old" else new, calls, repeats, device))
+    got = {}
+    for name in (n for n in runs["old"][0] if "/" not in n):
+        row = {"ratio": statistics.median(n[name] / o[name] for o, n in zip(runs["old"], runs["new"]))}
+        for side, got_side in runs.items():
+            values = [run[name] for run in got_side]
+            row.update({side: statistics.median(values), f"{side}_min": min(values), f"{side}_max": max(values),
+                        f"{side}_x": statistics.median(run.get(f"{name}/noop", 1.0) for run in got_side)})
+        got[name] = row
+    return got
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -175,7 +223,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--device", default="cpu",
                         help="where the tensors live: cuda adds the CUDA allocator and device handling "
                              "(the no-op implementation launches nothing)")
+    parser.add_argument("--against", metavar="OLD", help="another checkout to compare with, side by side")
+    parser.add_argument("--rounds", type=int, default=8, help="with --against: rounds of one run per checkout")
     args = parser.parse_args(argv)
+    if args.against:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        table = compare(args.against, here, args.rounds, args.calls, args.repeats, args.device)
+        print(f"{args.rounds} rounds, {args.calls} calls x {args.repeats} blocks; old: {args.against}, new: {here}")
+        print("| column | old us | x noop | new us | x noop | new / old |\n|---|---|---|---|---|---|")
+        for name, r in table.items():
+            print(f"| {name} | {r['old']:.2f} ({r['old_min']:.2f}-{r['old_max']:.2f}) | {r['old_x']:.2f} "
+                  f"| {r['new']:.2f} ({r['new_min']:.2f}-{r['new_max']:.2f}) | {r['new_x']:.2f} | {r['ratio']:.2f} |")
+        return table
     torch.set_num_threads(1)
     got = measure(args.calls, args.repeats, device=args.device)
     header = (f"{platform.processor() or platform.machine()}, Python {platform.python_version()}, "

@@ -24,3 +24,20 @@ def test_overhead_times_every_column_and_the_kernel_column_launches_bound(load_b
     assert not kernel.weight_t, "an [N, K] weight goes to the bound launch as it is"
     out = capsys.readouterr().out
     assert all(f"{c} " in out for c in columns)
+
+
+def test_against_compares_two_checkouts_each_in_its_own_process(load_benchmark, tmp_path):
+    import os
+    import subprocess
+
+    import pytest
+
+    bench = load_benchmark("nvgemm_op_overhead")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    table = bench.compare(root, root, rounds=1, calls=20, repeats=2)
+    assert {"aten_noop", "op", "op_body", "op_out"} <= set(table)
+    for row in table.values():
+        assert row["old_min"] <= row["old"] <= row["old_max"] and row["new"] > 0 and row["ratio"] > 0
+    # no branchyard there: the run would import an installed one (refused) or none
+    with pytest.raises((RuntimeError, subprocess.CalledProcessError)):
+        bench.compare(str(tmp_path), root, rounds=1, calls=20, repeats=2)

@@ -20,6 +20,10 @@ keeps its own node-saving patterns and fused kernels:
   router set kernel computes (:class:`~.patterns.RouterLogits`);
 * random ops (the lowering refuses them inside bodies with a clear error).
 
+A region runs its ops where its last op was, so a run is cut where that would move a
+read or a write across another write (:func:`branchyard.fx.mutation.may_write`: a
+counter's ``add_``, a batch norm updating its running statistics, unknown code).
+
 Before / after, in one body::
 
     %sq   = aten.pow(%y, 2)                  %fused_0 = call_module[InductorRegion](%y)
@@ -40,6 +44,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from branchyard.fx.mutation import may_write
 from branchyard.fx.size_bounds import upper_bound
 
 __all__ = ["InductorRegion", "fuse_regions"]
@@ -149,13 +154,45 @@ def _set_kernel_router(node: Node) -> bool:
     return most is not None and most <= MAX_ROUTER_ELEMENTS
 
 
+def _runs_between_writes(gm: GraphModule, nodes: Any) -> list[list[Node]]:
+    """A partition cut where one region would move memory traffic across a write.
+
+    A region runs all its ops where its last op was (``fuse_by_partitions``), and the
+    other nodes between its ops that use its results move after it: reads and writes
+    move later. So a partition is cut at every other node between its ops that may write
+    memory (a read would move past the write), and, when the partition writes memory
+    itself, at every other node between its ops (its write would move past that node's
+    read, or that node's read of a view past the write)::
+
+        a = mul(x, counter)          region(a, b) would read counter here, after the add_
+        add_(counter, 1)        ->   so: a alone (not a region), region(b, d)
+        b = sin(a); d = mul(x, counter)
+    """
+    members = set(nodes)
+    order = [n for n in gm.graph.nodes if n in members]
+    writes = any(may_write(n) for n in order)
+    runs: list[list[Node]] = [[]]
+    node = order[0]
+    while node is not order[-1]:
+        if node in members:
+            runs[-1].append(node)
+        elif node.op not in ("placeholder", "get_attr") and runs[-1] and (writes or may_write(node)):
+            logger.debug("inductor region cut before %s: %s", node.name,
+                         "it may write memory" if may_write(node) else "the region writes memory")
+            runs.append([])
+        node = node.next
+    runs[-1].append(node)
+    return [run for run in runs if len(run) >= 2]
+
+
 def _fuse_one(gm: GraphModule) -> int:
-    partitions = CapabilityBasedPartitioner(gm, _Fusable(), allows_single_node_partition=False).propose_partitions()
+    proposed = CapabilityBasedPartitioner(gm, _Fusable(), allows_single_node_partition=False).propose_partitions()
+    partitions = [run for p in proposed for run in _runs_between_writes(gm, p.nodes)]
     if not partitions:
         return 0
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-    fuse_by_partitions(gm, [dict(p.nodes) for p in partitions], prefix="inductor_region_")  # edits gm in place
+    fuse_by_partitions(gm, [dict.fromkeys(run) for run in partitions], prefix="inductor_region_")  # edits gm in place
     count = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target.startswith("inductor_region_"):

@@ -261,3 +261,23 @@ def test_bind_call_binds_like_the_dispatcher():
     assert bind_call(torch.dropout, ("x", 0.5, False), {})[0].schema.name == "aten::dropout"
     assert bind_call("index_copy_", ("c", 0, "p", "k"), {}, method=True)[0].schema.name == "aten::index_copy_"
     assert bind_call("float", ("x",), {}, method=True) is None  # no ATen op of that name
+
+
+def test_erase_dead_inputs_keeps_what_writes_memory():
+    """The inputs of an erased predicate chain go with it only when nothing else needs them:
+    a train-mode batch norm (its running statistics) and ``x.add_(1)`` as a method stay."""
+    from branchyard.fx.control_flow import erase_dead_inputs
+
+    g = Graph()
+    x, rm, rv = (g.placeholder(n) for n in ("x", "rm", "rv"))
+    train = g.call_function(aten.batch_norm.default, (x, None, None, rm, rv, True, 0.1, 1e-5, False))
+    evaluate = g.call_function(aten.batch_norm.default, (x, None, None, rm, rv, False, 0.1, 1e-5, False))
+    bumped = g.call_method("add_", (x, 1))
+    pure = g.call_function(aten.mul.Tensor, (x, 2))
+    pred = g.call_function(aten.gt.Scalar, (g.call_function(aten.sum.default, (
+        g.call_function(aten.add.Tensor, (g.call_function(aten.add.Tensor, (train, evaluate)),
+                                          g.call_function(aten.add.Tensor, (bumped, pure)))),)), 0))
+    g.output(x)
+    erase_dead_inputs(g, [pred])
+    left = [n for n in g.nodes if n.op in ("call_function", "call_method")]
+    assert left == [train, bumped]

@@ -70,6 +70,7 @@ __all__ = [
     "node_writes",
     "may_write",
     "nothing_written_between",
+    "view_base",
     "written_operands",
     "written_roots",
 ]
@@ -291,7 +292,7 @@ def _module_writes(node: Node) -> Writes:
         writes = node_writes(inner)
         elsewhere |= writes.elsewhere
         for value in writes.values():
-            base = _base(value) if isinstance(value, Node) else None
+            base = view_base(value) if isinstance(value, Node) else None
             if base is None or base.op != "placeholder":
                 elsewhere = True  # the module's own state, or memory it made: not an argument
                 continue
@@ -335,7 +336,7 @@ def written_operands(node: Node) -> list[Node]:
     return [v for v in node_writes(node).values() if isinstance(v, Node)]
 
 
-def _base(node: Node) -> Node:
+def view_base(node: Node) -> Node:
     """The node a chain of view ops (select, slice, view, ...) starts from."""
     while (
         node.op == "call_function"
@@ -355,6 +356,6 @@ def written_roots(graph: Graph) -> list[Node]:
         base
         for node in graph.nodes
         for operand in written_operands(node)
-        if (base := _base(operand)).op in ("placeholder", "get_attr")
+        if (base := view_base(operand)).op in ("placeholder", "get_attr")
     }
     return [n for n in graph.nodes if n in roots]

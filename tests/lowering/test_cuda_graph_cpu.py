@@ -284,6 +284,8 @@ def test_which_arguments_turn_a_random_op_off():
     assert _draws_nothing(torch.nn.functional.dropout, (t,), {"training": False})
     assert not _draws_nothing(torch.nn.functional.dropout, (t,), {})  # training=True, p=0.5 by default
     assert not _draws_nothing(aten.rand_like.default, (t,), {})
+    assert _draws_nothing(torch.dropout, (t, 0.5, False), {})  # a torch builtin binds by its ATen schema
+    assert not _draws_nothing(torch.dropout, (t, 0.5, True), {})
 
 
 def test_tensors_off_the_device_are_rejected():
@@ -1318,3 +1320,30 @@ def test_a_switch_index_is_not_deferred_across_a_running_stats_update(monkeypatc
         assert calls["top"][0][:3] == ("set_router", 1, (3, 3)) and len(calls["routers"]) == 1
     else:
         assert calls["top"] == [("set_program", True, (("max", -1), ("min", 2), ("mod", 3)), 3), ("SWITCH", 3)]
+
+
+def _body_writing_after_the_sum(write_carry):
+    def body_fn(i, y, n):
+        j = i + 1
+        if write_carry:
+            i.add_(5)  # after the sum: eager's j read i before this write
+        else:
+            y.mul_(2)  # another carry's buffer: not the counter's
+        return j, y + 1
+
+    return body_fn
+
+
+@pytest.mark.parametrize("write_carry", [True, False], ids=["writes the counter", "writes another carry"])
+def test_a_counter_written_in_place_after_its_sum_is_not_incremented_by_the_step_kernel(monkeypatch, write_carry):
+    """The step kernel adds ``k`` after the body: to the value ``i.add_(5)`` left, not the one
+    eager's ``j = i + 1`` read before the write (6 after one trip instead of 1)."""
+    body_fn = _body_writing_after_the_sum(write_carry)
+    program = while_program(lambda i, y, n: i < n, body_fn, n_carry=2, n_additional=1)
+    args = (torch.tensor(0), torch.ones(3), torch.tensor(4))
+    calls = record_capture(monkeypatch, program, args)
+    want_i, want_y = body_fn(*(a.clone() for a in args))  # one trip, as the capture ran
+    i, y = calls["result"]
+    assert int(i) == int(want_i) == 1 and torch.equal(y, want_y)
+    (body,) = [k for k in calls if "WHILE" in k]
+    assert calls[body][-1][-1] == (None if write_carry else 1)  # the step's increment

@@ -45,7 +45,7 @@ same handler.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -242,7 +242,8 @@ def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_p
     (``read``: cond_fn reads it, so the predicate must stay a comparison for the set kernel).
 
     That is: body_fn returns ``bufs[k] + by`` (``by`` a Python int, ``bufs[k]`` a 0-d
-    int64/int32 tensor) computed by ``node``, which nothing else reads; and cond_fn
+    int64/int32 tensor) computed by ``node``, which nothing else reads and after which
+    nothing may write carry ``k`` in place (:func:`_written_after`); and cond_fn
     reads carry ``k`` only as an operand of the comparison it returns, evaluated by
     the set kernel (so after the increment). Other readers of carry ``k`` in the body
     see the old value, as they should: the increment runs after the body.
@@ -262,7 +263,7 @@ def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_p
             continue
         node = outs[k]
         by = match_increment(node, body_inputs[k])
-        if by is None or len(node.users) != 1 or outs.count(node) != 1:
+        if by is None or len(node.users) != 1 or outs.count(node) != 1 or _written_after(node, body_inputs[k]):
             continue
         info = torch.iinfo(buf.dtype)
         if not info.min <= by <= info.max:
@@ -272,6 +273,31 @@ def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_p
             continue
         return k, node, by, bool(readers)
     return None
+
+
+def _written_after(node: Any, carry: Any) -> bool:
+    """Whether a node after ``node`` may write the carry buffer ``carry`` reads: directly,
+    through a view, or through memory nobody can trace (the step kernel would add to the
+    written value, eager's sum read the one before). Other inputs and attributes are other
+    memory: the capture's carry buffers are fresh."""
+    from branchyard.fx.mutation import node_writes, view_base
+
+    for later in _nodes_after(node):
+        writes = node_writes(later)
+        if writes.elsewhere:
+            return True
+        for value in writes.values():
+            base = view_base(value) if isinstance(value, torch.fx.Node) else None
+            if base is None or base is carry or base.op not in ("placeholder", "get_attr"):
+                return True
+    return False
+
+
+def _nodes_after(node: Any) -> Iterator[Any]:
+    node = node.next
+    while node.op != "root":
+        yield node
+        node = node.next
 
 
 def _while_run(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn, carried, additional) -> tuple:

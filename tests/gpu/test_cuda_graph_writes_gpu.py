@@ -94,3 +94,33 @@ def test_a_predicate_on_running_statistics_is_read_before_their_update(inductor)
 @pytest.mark.parametrize("router", [False, True], ids=["argmax", "router"])
 def test_a_switch_index_from_running_statistics_is_read_before_their_update(router):
     _check_calls(_RoutedByRunningMean(router))
+
+
+def _body_writing_the_counter(i, y, n):
+    j = i + 1
+    i.add_(5)  # after the sum: j read i before this write
+    return j, y * 2
+
+
+def test_a_counter_written_in_place_after_its_sum_counts_as_eager_does():
+    """The step kernel must not add to the value ``i.add_(5)`` left: eager runs 4 trips here
+    (i = 1, 2, 3, 4), an increment after the write would stop after one (i = 6)."""
+    from branchyard.lowering.cuda_graph.fx_builders import while_loop_module
+
+    program = while_loop_module(lambda i, y, n: i < n, _body_writing_the_counter, num_carried=2, num_additional=1)
+    args = (torch.tensor(0, device=DEV), torch.ones(3, device=DEV), torch.tensor(4, device=DEV))
+    lowered = lower(program, args)
+
+    def reference(i, y, n):
+        i, y = i.clone(), y.clone()
+        while bool(i < n):
+            i, y = _body_writing_the_counter(i, y, n)
+        return i, y
+
+    for n in (4, 0, 7):
+        call = (args[0], args[1], torch.tensor(n, device=DEV))
+        want = reference(*call)
+        with no_host_sync():
+            got = lowered(*(c.clone() for c in call))  # the outputs only: eager also writes its first carry input
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (n, got, want)

@@ -170,6 +170,43 @@ def test_out_that_is_not_an_aligned_row_major_buffer_is_copied_into(path, kind):
         assert path.buffers[-1].data_ptr() != out.data_ptr()
 
 
+
+def test_after_the_plans_out_guard_every_other_out_still_gets_its_checks(path):
+    """A row-major ``out`` gives the plan its ``out_guard``; later buffers that
+    pass it skip only the shape, dtype, device and stride checks: one aliasing an
+    input or misaligned is still copied into, and the others still get ATen's
+    rules (an error, a resize), whatever came before."""
+    a, w, ops = _case(m=16, n=16, k=16)
+    want = _want(a, w, ops)
+    first = torch.empty(16, 16)
+    assert OUT(a, w, ops, SPEC, out=first) is first
+    if path is not None:
+        (call,) = tuner_mod.get_autotuner().call_plans.values()
+        assert call.out_guard is not None and call.out_guard.check(torch.empty(16, 16))
+    ptr_as_given = lambda out: path is None or path.buffers[-1].data_ptr() == out.data_ptr()  # noqa: E731
+    for name, make in _views_of_inputs(a, w, ops)[:3] + [
+        ("misaligned", lambda: (torch.empty(16 * 16 + 1)[1:].view(16, 16), a, w, ops)),
+        ("transposed", lambda: (torch.empty(16, 16).t(), a, w, ops)),
+    ]:
+        out, a2, w2, ops2 = make()
+        want2 = _want(a2.clone(), w2.clone(), [t.clone() for t in ops2])
+        assert OUT(a2, w2, ops2, SPEC, out=out) is out, name
+        torch.testing.assert_close(out, want2, rtol=1e-5, atol=1e-5, msg=name)
+        assert path is None or not ptr_as_given(out), f"{name}: computed into a temporary, then copied"
+    a, w, ops = _case(m=16, n=16, k=16)
+    with pytest.raises(LoweringError, match=r"out has dtype torch\.float64; expected torch\.float32"):
+        OUT(a, w, ops, SPEC, out=torch.empty(16, 16, dtype=torch.float64))
+    with pytest.raises(LoweringError, match=r"out is on meta; expected cpu"):
+        OUT(a, w, ops, SPEC, out=torch.empty(16, 16, device="meta"))
+    with pytest.raises(LoweringError, match="out=.* don't support automatic differentiation"):
+        OUT(a, w, ops, SPEC, out=torch.empty(16, 16, requires_grad=True))
+    empty = torch.empty(0)
+    assert OUT(a, w, ops, SPEC, out=empty) is empty and empty.shape == (16, 16)
+    torch.testing.assert_close(empty, want, rtol=1e-5, atol=1e-5)
+    again = torch.empty(16, 16)
+    assert OUT(a, w, ops, SPEC, out=again) is again and ptr_as_given(again), "written directly again"
+    torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+
 def test_an_impl_returning_its_own_tensor_is_copied_into_out(monkeypatch, tmp_path):
     probe = Probe(returns_own=True)
     monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)

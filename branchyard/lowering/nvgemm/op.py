@@ -238,6 +238,10 @@ class CallPlan:
     b_meta: tuple | None = None
     #: The output's row-major strides (what an ``out=`` buffer must have to be written directly).
     out_stride: tuple[int, ...] = ()
+    #: Passes an ``out=`` buffer of the output's shape, dtype, device and row-major
+    #: strides (:func:`_guard`): made from the first such buffer, it spares later
+    #: ones :func:`_check_out` and the stride test.
+    out_guard: object | None = None
     #: Bytes ``a``, ``b`` and each operand reach from their data pointers (see :func:`_overlaps`).
     spans: tuple[int, ...] = ()
     #: Bytes of the output.
@@ -476,8 +480,9 @@ def _fused_gemm_epilogue(
     A known signature costs a coarse key and a guard check (its full key and
     lookup once more, until it is kept with a guard), the views the impl takes
     (the weight's is remembered), a pointer-alignment check, the output
-    allocation (or ``out``'s checks) and the plan's launch (for our fused
-    kernels, the launch alone: their checks ran when the plan was made).
+    allocation (or ``out``'s guard, else its checks, and its overlap test) and
+    the plan's launch (for our fused kernels, the launch alone: their checks
+    ran when the plan was made).
     """
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
@@ -495,7 +500,8 @@ def _fused_gemm_epilogue(
                 if out is not None:
                     _check_out(out, (*a.shape[:-1], _dims(a, b, s)[1]), s.out_dtype, a.device)
                 return _unfused(a, b, operands, s, out)
-    if out is not None:
+    fits = out is not None and call.out_guard is not None and call.out_guard.check(out)
+    if out is not None and not fits:
         _check_out(out, call.out_shape, call.out_dtype, call.device)
     impl = call.impl
     if impl is None:
@@ -513,7 +519,7 @@ def _fused_gemm_epilogue(
         _say_once("a pointer is not 16-byte aligned")
         return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
     if out is not None:
-        return _launch_into(out, call, a2d, weight, ops2d, (a, b, *operands))
+        return _launch_into(out, call, a2d, weight, ops2d, (a, b, *operands), fits)
     out = call.alloc()
     res = call.launch(a2d, weight, ops2d, out)
     res = out if res is None else res
@@ -573,14 +579,16 @@ def _overlaps(start: int, end: int, spans: tuple[int, ...], inputs: tuple[torch.
     return False
 
 
-def _launch_into(out: torch.Tensor, call: CallPlan, a2d, weight, ops2d, inputs: tuple) -> torch.Tensor:
+def _launch_into(out: torch.Tensor, call: CallPlan, a2d, weight, ops2d, inputs: tuple, fits: bool) -> torch.Tensor:
     """Run the plan's launch so that its result lands in ``out`` (shape, dtype and
-    device checked): straight into it where it is an aligned row-major buffer no
-    input overlaps, else into a fresh buffer that is then copied (as when the impl
-    returns a tensor of its own)."""
+    device checked; ``fits``: it passed the plan's ``out_guard``): straight into it
+    where it is an aligned row-major buffer no input overlaps, else into a fresh
+    buffer that is then copied (as when the impl returns a tensor of its own)."""
     ptr = out.data_ptr()
-    direct = (out.stride() == call.out_stride and not ptr % ALIGN_BYTES
-              and not _overlaps(ptr, ptr + call.out_bytes, call.spans, inputs))
+    row_major = fits or out.stride() == call.out_stride
+    if row_major and call.out_guard is None:
+        call.out_guard = _guard((out,))
+    direct = row_major and not ptr % ALIGN_BYTES and not _overlaps(ptr, ptr + call.out_bytes, call.spans, inputs)
     if direct:
         buf = out.view(call.m, call.n) if call.reshape_a else out
     else:

@@ -225,3 +225,45 @@ def test_without_tensor_guards_every_call_takes_the_signature(tuner, monkeypatch
         for _ in range(3):
             torch.testing.assert_close(FUSED(a, w, ops, TEXT), _want(a, w, ops))
     assert len(tuner.call_plans) == 1 and tuner.guarded_plans == {}
+
+
+def test_threads_on_signatures_of_one_coarse_key_get_their_own_results(tuner):
+    """Threads call the op at once with signatures that share a coarse key (so
+    they keep and scan one entry), while another thread re-tunes (clearing every
+    plan) now and then: every result is right, whatever plan each call finds."""
+    import threading
+
+    variants = list(_variants().values())
+    errors = []
+
+    def caller(i):
+        a, w, ops = variants[i % len(variants)]
+        want = _want(a, w, ops)
+        try:
+            with torch.no_grad():
+                for _ in range(120):
+                    torch.testing.assert_close(FUSED(a, w, ops, TEXT), want)
+        except Exception as exc:  # reported below, with the thread's variant
+            errors.append((i, exc))
+
+    def retune():
+        a, w, ops = variants[0]
+        try:
+            for _ in range(5):
+                tuner.tune(a, w.t(), ops, SPEC, "host")
+        except Exception as exc:
+            errors.append(("retune", exc))
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(variants))]
+    threads.append(threading.Thread(target=retune))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for a, w, ops in variants:  # what the shortcut keeps afterwards is still each signature's own plan
+        with torch.no_grad():
+            FUSED(a, w, ops, TEXT)
+            FUSED(a, w, ops, TEXT)
+        call = op_mod._guarded_plan(tuner, op_mod._coarse_key(TEXT, "host", a, w, ops), a, w, ops)
+        assert call is tuner.call_plans[op_mod._signature(a, w, ops, TEXT, "host")]

@@ -72,7 +72,7 @@ from torch.fx import Graph, GraphModule, Node
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import MalformedGraphError
 from branchyard.fx.graph_walk import resolve_attr
-from branchyard.fx.mutation import may_write
+from branchyard.fx.mutation import has_effects
 
 __all__ = [
     "COND",
@@ -679,15 +679,15 @@ def inline_graph(
 
 def erase_dead_inputs(graph: Graph, nodes: Sequence[Any]) -> None:
     """Erase ``nodes`` and, transitively, their inputs once they have no
-    users left and no side effects (the predicate chain of a replaced cond): torch's
-    ``Node.is_impure``, or a write :func:`branchyard.fx.mutation.may_write` knows of
-    (a train-mode batch norm, ``x.add_(1)`` as a method)."""
+    users left and no side effects (the predicate chain of a replaced cond;
+    :func:`branchyard.fx.mutation.has_effects`: a train-mode batch norm, ``x.add_(1)``
+    as a method stay)."""
     work = [n for n in nodes if isinstance(n, Node)]
     while work:
         n = work.pop()
         if n.users or n.op not in ("call_function", "call_method") or n.graph is not graph:
             continue
-        if n.is_impure() or may_write(n):
+        if has_effects(n):
             continue
         inputs = n.all_input_nodes
         graph.erase_node(n)

@@ -69,6 +69,7 @@ __all__ = [
     "method_writes",
     "node_writes",
     "may_write",
+    "has_effects",
     "nothing_written_between",
     "view_base",
     "written_operands",
@@ -317,6 +318,14 @@ def node_writes(node: Node) -> Writes:
 def may_write(node: Node) -> bool:
     """Whether the FX ``node`` may write memory in place (conservative: unknown code may)."""
     return bool(node_writes(node))
+
+
+def has_effects(node: Node) -> bool:
+    """Whether removing the FX ``node`` when nobody uses its result could change what the
+    program does: torch's ``Node.is_impure`` (placeholders, outputs, asserts, mutable
+    schemas) or :func:`may_write` (a train-mode batch norm, ``x.add_(1)`` as a method,
+    unknown code). What dead-code elimination must keep."""
+    return node.is_impure() or may_write(node)
 
 
 def nothing_written_between(first: Node, last: Node) -> bool:

@@ -48,6 +48,7 @@ from torch.fx.passes.infra.pass_manager import PassManager
 
 from branchyard.errors import BranchyardError
 from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules, lint_graph_module, realize_graph_modules
+from branchyard.fx.mutation import has_effects
 
 __all__ = [
     "logger",
@@ -160,8 +161,8 @@ class BranchyardPass(PassBase):
         modified = bool(self.run(graph_module))
         if modified:
             for gm in iter_graph_modules(graph_module):
-                if self.eliminate_dead_code:
-                    gm.graph.eliminate_dead_code()
+                if self.eliminate_dead_code:  # keeps what writes memory torch calls pure (batch norm stats)
+                    gm.graph.eliminate_dead_code(is_impure_node=has_effects)
                 gm.recompile()
         self.report.modified = modified
         return PassResult(graph_module, modified)

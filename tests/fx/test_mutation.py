@@ -13,6 +13,7 @@ from branchyard.fx.call_arguments import bind_call
 from branchyard.fx.mutation import (
     UNMARKED_WRITES,
     call_writes,
+    has_effects,
     may_write,
     method_writes,
     node_writes,
@@ -281,3 +282,37 @@ def test_erase_dead_inputs_keeps_what_writes_memory():
     erase_dead_inputs(g, [pred])
     left = [n for n in g.nodes if n.op in ("call_function", "call_method")]
     assert left == [train, bumped]
+
+
+def test_a_pass_that_eliminates_dead_code_keeps_a_dead_train_mode_batch_norm():
+    """A pass with ``eliminate_dead_code`` removes results nobody uses, but not a batch norm whose
+    only effect is updating its running statistics (torch's DCE alone would remove it)."""
+    from branchyard.fx.pass_infra import BranchyardPass
+
+    class Touch(BranchyardPass):
+        name = "touch"
+        eliminate_dead_code = True
+
+        def run(self, graph_module):
+            return True
+
+    def program(training):
+        root = torch.nn.Module()
+        root.register_buffer("rm", torch.zeros(3))
+        root.register_buffer("rv", torch.ones(3))
+        g = Graph()
+        x = g.placeholder("x")
+        rm, rv = g.get_attr("rm"), g.get_attr("rv")
+        g.call_function(aten.batch_norm.default, (x, None, None, rm, rv, training, 0.1, 1e-5, False))
+        g.call_function(aten.mul.Tensor, (x, 2))
+        g.output(x)
+        return GraphModule(root, g)
+
+    for training, kept in ((True, [aten.batch_norm.default]), (False, [])):
+        gm = program(training)
+        assert Touch()(gm).modified
+        assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == kept
+        x = torch.full((4, 3), 50.0)
+        gm(x)
+        assert float(gm.rm[0]) == (5.0 if training else 0.0)
+    assert not has_effects(next(n for n in program(False).graph.nodes if n.op == "call_function"))

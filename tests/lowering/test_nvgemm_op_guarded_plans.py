@@ -189,6 +189,26 @@ def test_guard_passes_only_tensors_of_its_signature():
     assert alive() is None and kept.check(torch.empty(256, 256)), "a guard keeps metadata, not tensors"
 
 
+
+def test_a_guard_class_that_checks_less_is_not_used(monkeypatch):
+    """The op uses torch's private TensorGuards only where it tells strides,
+    dtypes, sizes and devices apart (checked once at import)."""
+    import torch._C._dynamo.guards as guards
+
+    assert op_mod._tensor_guards() is guards.TensorGuards
+
+    class SizesOnly:
+        def __init__(self, *tensors, dynamic_dims_sizes, dynamic_dims_strides):
+            self.shapes = [t.shape for t in tensors]
+
+        def check(self, *tensors):
+            return [t.shape for t in tensors] == self.shapes
+
+    monkeypatch.setattr(guards, "TensorGuards", SizesOnly)
+    assert op_mod._tensor_guards() is None
+    monkeypatch.delattr(guards, "TensorGuards")
+    assert op_mod._tensor_guards() is None
+
 def test_wrong_operand_count_after_a_guarded_plan_is_the_same_error(tuner):
     a, w, ops = _variants()["contiguous"]
     with torch.no_grad():

@@ -264,10 +264,28 @@ def _signature(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], s
     return tuple(key)
 
 
-try:  # Dynamo's tensor guard: one C++ call checks what _signature reads with four Python calls a tensor
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - a torch without it
-    _TensorGuards = None
+def _tensor_guards() -> type | None:
+    """Dynamo's tensor guard (one C++ call checks what :func:`_signature` reads with
+    four Python calls a tensor), where this torch has one that tells the tensors
+    below apart by size, stride, dtype and device; else ``None`` (every call then
+    takes the full key). A private class: checked once, so that a torch whose
+    guard checks less never hands a call another signature's plan."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        like = torch.empty(2, 3)
+        guard = TensorGuards(like, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        others = (torch.empty(3, 2).t(), torch.empty(2, 3, dtype=torch.float64), torch.empty(2, 4),
+                  torch.empty(6), torch.empty(2, 3, device="meta"))
+        if guard.check(torch.empty(2, 3)) and not any(guard.check(t) for t in others):
+            return TensorGuards
+    except (ImportError, TypeError, RuntimeError):  # a torch without it, or another one
+        pass
+    return None
+
+
+_TensorGuards = _tensor_guards()
+
 #: Plans kept under one coarse key (:func:`_coarse_key`): signatures that differ only in
 #: strides, dtypes, device type or dispatch state (inference mode or not, say).
 _GUARDED_PER_KEY = 8
@@ -289,7 +307,7 @@ def _guard(tensors: tuple[torch.Tensor, ...]) -> object | None:
         return None
     try:  # None: every size and stride static, as the tensors have them (both keywords required)
         return _TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
-    except (TypeError, RuntimeError):  # pragma: no cover - another torch's constructor
+    except RuntimeError:  # pragma: no cover - a tensor it cannot describe (no strides)
         return None
 
 

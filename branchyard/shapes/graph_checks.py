@@ -40,6 +40,7 @@ import sympy
 import torch
 
 from branchyard.errors import ShapeSpecError
+from branchyard.fx.mutation import has_effects
 
 __all__ = [
     "bind_placeholder_symbols",
@@ -387,9 +388,10 @@ def drop_implied_range_checks(gm: torch.fx.GraphModule) -> int:
 
 
 def _erase_with_inputs(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
-    """Erase ``node``, then any pure computation that only it used (its condition, sizes)."""
+    """Erase ``node``, then any pure computation that only it used (its condition, sizes);
+    "pure" as every dead-code pass of branchyard asks it (:func:`branchyard.fx.mutation.has_effects`)."""
     inputs = [a for a in node.all_input_nodes if a.op == "call_function"]
     graph.erase_node(node)
     for a in inputs:
-        if not a.users and a.target is not torch.ops.aten._assert_scalar.default and not a.is_impure():
+        if not a.users and a.target is not torch.ops.aten._assert_scalar.default and not has_effects(a):
             _erase_with_inputs(graph, a)

@@ -17,7 +17,7 @@ import os
 import re
 import sysconfig
 import traceback
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import sympy
 import torch
@@ -36,18 +36,21 @@ _SKIP_DIRS = tuple(
 _MAX_SCAN = 200_000
 
 
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    """``err``, then each exception of its cause/context chain, once."""
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
 def find_data_dependent_error(err: BaseException) -> BaseException | None:
     """The ``GuardOnDataDependentSymNode`` in ``err``'s cause/context chain, if any."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    seen: set[int] = set()
-    cur: BaseException | None = err
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, GuardOnDataDependentSymNode):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
+    return next((e for e in _causes(err) if isinstance(e, GuardOnDataDependentSymNode)), None)
 
 
 def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
@@ -67,10 +70,7 @@ def _tracing_control_flow_op(err: BaseException) -> str | None:
     """The torch control-flow op (``torch.cond``, ``torch.while_loop``, ...) whose tracing raised
     ``err`` while making a fake tensor of one of its operands (torch asking for the value of the
     operand's size), not while running the user's code inside a branch or body."""
-    seen: set[int] = set()
-    cur: BaseException | None = err
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
+    for cur in _causes(err):
         op = None
         for frame in traceback.extract_tb(cur.__traceback__):
             m = _HOP_FILE.search(frame.filename)
@@ -78,7 +78,6 @@ def _tracing_control_flow_op(err: BaseException) -> str | None:
                 op = _CONTROL_FLOW_OPS[m.group(1)]
             elif op is not None and _FAKEIFY_FILE.search(frame.filename):
                 return op
-        cur = cur.__cause__ or cur.__context__
     return None
 
 
@@ -144,19 +143,31 @@ def explain(
     involved = sorted({vars[var_of_symbol[s]].name for s in names})
     frame = _user_frame(err) or _user_frame(dde)
     where = f"{frame.filename}:{frame.lineno}" if frame else None
-    op = _tracing_control_flow_op(err) or _tracing_control_flow_op(dde)
+    op = _tracing_control_flow_op(err)  # err's chain holds dde
     if op is not None and involved and isinstance(readable, sympy.Symbol):
-        return _unbacked_operand(op, readable, involved, frame, where)
+        message, hints = _unbacked_operand(op, readable, involved)
+    else:
+        message, hints = _user_control_flow(cond, readable, bool(names), involved, vars)
+    if frame is not None and frame.line:
+        message += f", at `{frame.line.strip()}`"
+    out = DataDependentShapeError(message, where=where, hint="; ".join(hints))
+    out.condition = readable  # type: ignore[attr-defined]
+    out.shape_vars = involved  # type: ignore[attr-defined]
+    return out
+
+
+def _user_control_flow(
+    cond: object, readable: sympy.Basic | None, named: bool, involved: list[str], vars: Mapping[str, ShapeVar]
+) -> tuple[str, list[str]]:
+    """Message and hints for Python control flow on a declared dim (or another unbacked value)."""
     subject = (
         "ShapeVar " + ", ".join(repr(n) for n in involved) if involved else "a data-dependent value (not a declared ShapeVar)"
     )
     message = f"Python control flow depends on {subject}"
     if readable is not None:
         message += f": the condition `{_python(readable)}` cannot be decided while tracing"
-        if names:
+        if named:
             message += f" ({cond} in torch's symbols)"
-    if frame is not None and frame.line:
-        message += f", at `{frame.line.strip()}`"
     hints = ["a declared dim is an unbacked symbolic size, unknown while tracing; "
              "use torch.cond(pred, true_fn, false_fn, operands) to keep both branches in the graph"]
     divisors = _mod_divisors(readable) if readable is not None else []
@@ -171,26 +182,16 @@ def explain(
             if suggestion
             else f"or narrow {involved[0]!r}'s range so the condition has one answer on all of it"
         )
-    out = DataDependentShapeError(message, where=where, hint="; ".join(hints))
-    out.condition = readable  # type: ignore[attr-defined]
-    out.shape_vars = involved  # type: ignore[attr-defined]
-    return out
+    return message, hints
 
 
-def _unbacked_operand(
-    op: str, readable: sympy.Symbol, involved: list[str], frame: traceback.FrameSummary | None, where: str | None
-) -> DataDependentShapeError:
-    """torch asked for the value of a declared dim (no comparison: a bare size) while tracing
-    its own control-flow op: torch before 2.14 cannot trace an operand of unbacked size."""
+def _unbacked_operand(op: str, readable: sympy.Symbol, involved: list[str]) -> tuple[str, list[str]]:
+    """Message and hints when torch asked for the value of a declared dim (no comparison: a bare
+    size) while faking an operand of its own control-flow op: torch before 2.14 cannot trace an
+    operand of unbacked size."""
     names = ", ".join(repr(n) for n in involved)
     message = (f"torch {torch.__version__.split('+')[0]}'s {op} cannot trace an operand whose size is "
                f"ShapeVar {names}: it asked for the size's value (`{readable}`), which an unbacked "
                "symbolic size does not have while tracing")
-    if frame is not None and frame.line:
-        message += f", at `{frame.line.strip()}`"
-    hint = (f"torch >= 2.14 traces {op} over unbacked sizes; on this torch compile without the "
-            f"ShapeVar (a static size: one program per size)")
-    out = DataDependentShapeError(message, where=where, hint=hint)
-    out.condition = readable  # type: ignore[attr-defined]
-    out.shape_vars = involved  # type: ignore[attr-defined]
-    return out
+    return message, [f"torch >= 2.14 traces {op} over unbacked sizes; on this torch compile without the "
+                     "ShapeVar (a static size: one program per size)"]

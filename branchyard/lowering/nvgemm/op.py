@@ -448,8 +448,7 @@ def _first_sight(a, b, operands, spec: str, mode: TimingMode, key: tuple, tuner:
         return call
     call = _plan_call(a, b, operands, _spec_plan(spec), spec, mode, tuner)
     if len(tuner.call_plans) >= _PLANS_LIMIT:
-        tuner.call_plans.clear()
-        tuner.guarded_plans.clear()
+        tuner.clear_call_plans()
     tuner.call_plans[key] = call
     return call
 

@@ -300,9 +300,13 @@ class Autotuner:
             result = self._tune(problem, key, self.candidates(problem), a, b_kn, operands)
             self._impls[self._bucket_key(a, b_kn, operands, str(spec), mode)] = result.impl  # type: ignore[assignment]
             self._exact.clear()
-            self.call_plans.clear()
-            self.guarded_plans.clear()
+            self.clear_call_plans()
         return result
+
+    def clear_call_plans(self) -> None:
+        """Forget the op's call plans and, with them, its guarded shortcuts to them."""
+        self.call_plans.clear()
+        self.guarded_plans.clear()
 
     def _tune(self, problem, key, cands, a, b_kn, operands) -> TuneResult:
         result = TuneResult(key, winner="")

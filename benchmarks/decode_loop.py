@@ -96,9 +96,8 @@ def divergence(fn, model, x, dtype, max_trips: int = 40) -> dict:
     the gap between its two largest logits. A gap of a bfloat16 ulp or less is a near tie that any
     other rounding of the logits (another GEMV kernel, another summation order) may break the
     other way; from that step on the loop runs another expert, so the outputs part."""
-    first = next((k for k in range(1, max_trips + 1)
-                  if not agree(fn(x, torch.tensor(k, device=DEV)), model(x, torch.tensor(k, device=DEV)), dtype)[0]),
-                 None)
+    trips = (torch.tensor(k, device=DEV) for k in range(1, max_trips + 1))
+    first = next((int(t) for t in trips if not agree(fn(x, t), model(x, t), dtype)[0]), None)
     if first is None:
         return {"first_trip": None}
     y = x

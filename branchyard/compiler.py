@@ -158,10 +158,11 @@ def _export(model: Any, args: tuple, spec: Any) -> tuple[torch.export.ExportedPr
     except BranchyardError:
         raise
     except Exception as exc:  # torch's own export errors, said as ours with torch's first lines
+        text = str(exc)
         raise UnsupportedGraphError(
-            f"torch.export cannot export it: {type(exc).__name__}: {_first_lines(str(exc))}",
+            f"torch.export cannot export it: {type(exc).__name__}: {_first_lines(text)}",
             where=f"export of {name}",
-            hint=next((hint for pattern, hint in _EXPORT_HINTS if pattern.search(str(exc))), _EXPORT_HINT)
+            hint=next((hint for pattern, hint in _EXPORT_HINTS if pattern.search(text)), _EXPORT_HINT)
             + " (the full torch error is chained below)",
         ) from exc
 

@@ -176,10 +176,12 @@ def _runs_between_writes(gm: GraphModule, nodes: Any) -> list[list[Node]]:
     while node is not order[-1]:
         if node in members:
             runs[-1].append(node)
-        elif node.op not in ("placeholder", "get_attr") and runs[-1] and (writes or may_write(node)):
-            logger.debug("inductor region cut before %s: %s", node.name,
-                         "it may write memory" if may_write(node) else "the region writes memory")
-            runs.append([])
+        elif node.op not in ("placeholder", "get_attr") and runs[-1]:
+            node_writes = may_write(node)
+            if writes or node_writes:
+                logger.debug("inductor region cut before %s: %s", node.name,
+                             "it may write memory" if node_writes else "the region writes memory")
+                runs.append([])
         node = node.next
     runs[-1].append(node)
     return [run for run in runs if len(run) >= 2]

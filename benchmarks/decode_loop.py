@@ -27,6 +27,9 @@ capture) and whether outputs agree with eager for 0/1/5/40 trips.
 the full pipeline with Inductor regions, with the router (mean, GEMV, argmax)
 computed by the router set kernel at any size and never, timed in interleaved
 rounds in one process (so the two differ by the router path alone).
+``--ablate-rotation`` adds ``router_in_step`` and ``router_in_body``, the same
+pipeline with the next trip's router computed by the loop's step kernel (the
+default) and by its own kernel at the top of each trip, timed the same way.
 ``--profile`` prints, per branchyard column, the kernels one call runs and
 their device time per step (``torch.profiler``): what the step's time is
 made of, and how much of it is between kernels.
@@ -198,28 +201,51 @@ def kernel_profile(fn, steps: int, top: int = 12) -> str:
     return "\n".join(lines)
 
 
-def ablate_router(model, x, steps_t, steps: int, reps: int, dtype, row: dict, rounds: int = 7) -> None:
-    """``router_kernel`` / ``router_ops``: the full pipeline (Inductor regions) with the router set kernel
-    taking every router and none, captured one after the other and timed in interleaved rounds."""
-    from branchyard.lowering.cuda_graph import patterns
-
-    bound = patterns.MAX_ROUTER_ELEMENTS
+def _patched_variants(model, x, steps_t, dtype, row, module, name: str, values: dict) -> dict:
+    """The full pipeline (Inductor regions) compiled once per ``{column: value}`` of
+    ``module.<name>`` (captured under that value, then the value restored)."""
+    saved = getattr(module, name)
     fns = {}
     try:
-        for name, limit in (("router_kernel", 1 << 30), ("router_ops", 0)):
-            patterns.MAX_ROUTER_ELEMENTS = limit
+        for column_name, value in values.items():
+            setattr(module, name, value)
             fn = branchyard.compile(model, (x, steps_t), passes=("cond_to_switch", "nvgemm"), inductor=True)
-            row[f"{name}_agrees"] = agreement(fn, model, x, dtype)  # captured here, under this bound
-            fns[name] = fn
+            row[f"{column_name}_agrees"] = agreement(fn, model, x, dtype)  # captured here, under this value
+            fns[column_name] = fn
     finally:
-        patterns.MAX_ROUTER_ELEMENTS = bound
+        setattr(module, name, saved)
+    return fns
+
+
+def race(fns: dict, x, steps_t, steps: int, reps: int, row: dict, rounds: int = 7) -> None:
+    """``<column>_us_per_step`` for each of ``fns``, timed in interleaved rounds in one process."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(rounds):
         for name in fns if i % 2 == 0 else reversed(list(fns)):
             times[name].append(time_call_ms(lambda fn=fns[name]: fn(x, steps_t), max(3, reps // rounds)))
     for name, ts in times.items():
         row[f"{name}_us_per_step"] = round(sorted(ts)[len(ts) // 2] * 1e3 / steps, 2)
-    print(json.dumps({k: v for k, v in row.items() if k.startswith("router_")}), file=sys.stderr, flush=True)
+    print(json.dumps({k: v for k, v in row.items() if any(k.startswith(n) for n in fns)}), file=sys.stderr, flush=True)
+
+
+def ablate_router(model, x, steps_t, steps: int, reps: int, dtype, row: dict) -> None:
+    """``router_kernel`` / ``router_ops``: the full pipeline (Inductor regions) with the router set kernel
+    taking every router and none."""
+    from branchyard.lowering.cuda_graph import patterns
+
+    fns = _patched_variants(model, x, steps_t, dtype, row, patterns, "MAX_ROUTER_ELEMENTS",
+                            {"router_kernel": 1 << 30, "router_ops": 0})
+    race(fns, x, steps_t, steps, reps, row)
+
+
+def ablate_rotation(model, x, steps_t, steps: int, reps: int, dtype, row: dict) -> None:
+    """``router_in_step`` / ``router_in_body``: the full pipeline (Inductor regions) with the next
+    trip's router computed by the loop's step kernel, and by its own kernel at the top of the body."""
+    from branchyard.lowering.cuda_graph import handlers
+
+    fns = _patched_variants(model, x, steps_t, dtype, row, handlers, "ROTATE_ROUTER",
+                            {"router_in_step": True, "router_in_body": False})
+    race(fns, x, steps_t, steps, reps, row)
 
 
 def floor_us(weight_bytes: float, copy_gbs: float, empty_us: float) -> dict:
@@ -282,6 +308,8 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
                           + kernel_profile(lambda: fn(x, steps_t), args.steps), flush=True)
         if args.ablate_router:
             ablate_router(model, x, steps_t, args.steps, args.reps, dtype, row)
+        if args.ablate_rotation:
+            ablate_rotation(model, x, steps_t, args.steps, args.reps, dtype, row)
         del ep
     torch._dynamo.reset()
     return row
@@ -289,8 +317,8 @@ def bench(dim: int, hidden: int, batch: int, args) -> dict:
 
 COLUMNS = ["eager", "compile", "reduce_overhead", "torch_cond_nodes", "by_graph", "by_switch", "by_full",
            "by_full_inductor", "by_switch_inductor"]
-#: Columns --ablate-router adds (not chosen with --columns).
-ABLATION_COLUMNS = ["router_kernel", "router_ops"]
+#: Columns --ablate-router and --ablate-rotation add (not chosen with --columns).
+ABLATION_COLUMNS = ["router_kernel", "router_ops", "router_in_step", "router_in_body"]
 
 
 def markdown(rows: list[dict]) -> str:
@@ -343,6 +371,8 @@ def main() -> None:
     )
     p.add_argument("--ablate-router", action="store_true",
                    help="add the router_kernel / router_ops columns (timed in interleaved rounds)")
+    p.add_argument("--ablate-rotation", action="store_true",
+                   help="add the router_in_step / router_in_body columns (timed in interleaved rounds)")
     p.add_argument("--profile", action="store_true", help="print each branchyard column's kernels per step")
     p.add_argument("--json", help="append one JSON row per (shape, batch) to this file")
     p.add_argument("--markdown", nargs="+", metavar="ROWS.jsonl", help="print a table of earlier --json rows and exit")

@@ -348,3 +348,39 @@ def test_a_router_over_the_kernel_bound_runs_as_torch_kernels_with_the_same_pick
     with no_host_sync():
         _, out = m(zero, x, vs)
     assert torch.equal(out, y)
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loops_router_is_set_for_the_next_trip_by_the_step_kernel(dtype, monkeypatch):
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.lowering.cuda_graph import handlers
+    from branchyard.passes import cond_to_switch
+
+    torch.manual_seed(6)
+    model = DecodeLoop(dim=64, hidden=128, num_experts=4).to(DEV, dtype).eval()
+    x = torch.randn(8, 64, device=DEV, dtype=dtype)
+    ep = cond_to_switch(torch.export.export(model, (x, scalar(5))))
+    rotated = lower(ep, (x, scalar(5)))
+    monkeypatch.setattr(handlers, "ROTATE_ROUTER", False)
+    in_body = lower(ep, (x, scalar(5)))
+    # one kernel node fewer per trip (the step kernel sets the next trip's index), one more before the loop
+    r, b = rotated.graph_nodes, in_body.graph_nodes
+    assert r.bodies[0].by_type["KERNEL"] == b.bodies[0].by_type["KERNEL"] - 1, (r.summary(), b.summary())
+    assert r.by_type["KERNEL"] == b.by_type["KERNEL"] + 1, (r.summary(), b.summary())
+    # the experts eager picks: the loop must follow them trip by trip, not one trip late
+    with torch.no_grad():
+        y, picks = x, []
+        for _ in range(12):
+            picks.append(int(torch.argmax(y.mean(0) @ model.router)))
+            y = model.step(y)
+    assert len(set(picks)) > 1, picks
+    for trips in (0, 1, 2, 5, 12):
+        with no_host_sync():
+            got = rotated(x, scalar(trips))
+        want = in_body(x, scalar(trips))
+        assert int(got[0]) == trips
+        assert torch.equal(got[1], want[1])  # the same kernels, the same order of sums
+        if dtype == torch.float32:
+            with torch.no_grad():
+                torch.testing.assert_close(got[1], model(x, scalar(trips))[1], atol=1e-4, rtol=1e-4)

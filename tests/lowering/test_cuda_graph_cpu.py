@@ -565,14 +565,23 @@ class RecordingBuilder:
     def new_handle(self):
         return object()
 
-    def set_predicate(self, handles, pred, *, copies=(), counter=None, reset=False, increment=None):
+    def set_predicate(self, handles, pred, *, copies=(), counter=None, reset=False, increment=None, next_index=None):
+        # the router of next_index reads no copy's destination: what it reads is the same before and after
+        router = None if next_index is None else int(next_index[1].evaluate())
         for dst, src in copies:
             dst.copy_(src)
         if increment is not None:
             increment[0].add_(increment[1])
         by = None if increment is None else increment[1]
         self.decisions.append(bool(pred.evaluate() if hasattr(pred, "evaluate") else pred))
-        self._log("step", getattr(pred, "op", "flag"), len(handles), len(copies), counter is not None, reset, by)
+        call = ("step", getattr(pred, "op", "flag"), len(handles), len(copies), counter is not None, reset, by)
+        if next_index is not None:  # the next trip's switch index, set by the same node
+            _, program, n = next_index
+            self.decisions.append(router)
+            self.routers.append(program)
+            r = program.source
+            call += (("next_router", r.rows, tuple(r.w.shape), program.steps, n),)
+        self._log(*call)
 
     def set_from_index(self, handle, index, n):
         self.decisions.append(int(index))
@@ -980,10 +989,84 @@ def test_a_models_router_whose_weight_requires_grad_is_one_set_router_call(monke
     with torch.no_grad():  # as the capture runs
         calls = record_capture(monkeypatch, ep, args)
     (body,) = [k for k in calls if k.endswith("WHILE1.0")]
+    # the router reads only the carry x and the weight: set before the loop, then by each trip's step
+    assert [c[0] for c in calls["top"]] == ["copy", "step", "set_router", "WHILE"]
+    assert calls["top"][2][1:3] == (batch, (32, 4))
+    assert [c[0] for c in calls[body]] == ["SWITCH", "step"]
+    assert calls[body][1][-1][:3] == ("next_router", batch, (32, 4))
+    assert len(calls["routers"]) == 2 and all(p.source.w.requires_grad for p in calls["routers"])
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_a_loops_router_is_computed_in_the_body_when_rotation_is_off(monkeypatch):
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.lowering.cuda_graph import handlers
+    from branchyard.passes import cond_to_switch
+
+    model = DecodeLoop(dim=32, hidden=64, num_experts=4).eval()
+    args = (torch.randn(4, 32), torch.tensor(3))
+    ep = cond_to_switch(torch.export.export(model, args))
+    monkeypatch.setattr(handlers, "ROTATE_ROUTER", False)
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, ep, args)
+    (body,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls["top"]] == ["copy", "step", "WHILE"]
     assert [c[0] for c in calls[body]] == ["set_router", "SWITCH", "step"]
-    assert calls[body][0][1:3] == (batch, (32, 4))
-    (program,) = calls["routers"]
-    assert program.source.w.requires_grad
+    assert len(calls[body][2]) == 7  # a plain step: no next_router
+
+
+def _decode_body_and_values():
+    """The exported decode loop's body (after cond_to_switch) and CPU values for its inputs."""
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.fx.graph_walk import copy_graph_module
+    from branchyard.passes import cond_to_switch
+
+    model = DecodeLoop(dim=16, hidden=32, num_experts=3).eval()
+    ep = cond_to_switch(torch.export.export(model, (torch.randn(2, 16), torch.tensor(3))))
+    body = copy_graph_module(ep.module().get_submodule("while_loop_body_graph_0"), share_tensors=True)
+    values = [torch.randn(p.meta["val"].shape).to(p.meta["val"].dtype)
+              for p in body.graph.nodes if p.op == "placeholder"]
+    return body, values
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_only_a_router_of_one_carry_and_invariants_in_a_body_that_writes_nothing_is_rotated(monkeypatch):
+    from types import SimpleNamespace
+
+    from branchyard.lowering.cuda_graph import handlers, patterns
+
+    body, values = _decode_body_and_values()
+    interp = SimpleNamespace(ctx=SimpleNamespace(switch_as_ifs=False))
+    switch = next(n for n in body.graph.nodes if handlers.is_switch_node(n))
+    source, chain = patterns.index_chain(switch)
+    assert source.op == "placeholder" and [n.target for n in chain][:3] == [
+        torch.ops.aten.mean.dim, torch.ops.aten.matmul.default, torch.ops.aten.argmax.default]
+    assert {n.target for n in chain[3:]} <= {torch.ops.aten.clamp.default, torch.ops.aten.remainder.Scalar}
+    found = handlers._next_trip_router(interp, body, values[:2], tuple(values[2:]))
+    assert found is not None
+    node, k, program, n = found
+    assert node is switch and k == 1 and n == 3 and program.source.x is values[1]
+    logits = values[1].mean(0) @ program.source.w
+    assert int(program.evaluate()) == min(max(int(torch.argmax(logits)), 0), 2)
+    # the router's input is a loop input, not a carry: its value never changes, nothing to rotate
+    assert handlers._next_trip_router(interp, body, values[:1], tuple(values[1:])) is None
+    # switch as IF nodes, or rotation turned off
+    assert handlers._next_trip_router(SimpleNamespace(ctx=SimpleNamespace(switch_as_ifs=True)), body, values[:2],
+                                      tuple(values[2:])) is None
+    monkeypatch.setattr(handlers, "ROTATE_ROUTER", False)
+    assert handlers._next_trip_router(interp, body, values[:2], tuple(values[2:])) is None
+    monkeypatch.setattr(handlers, "ROTATE_ROUTER", True)
+    # the argmax used again: the index chain is not the switch's alone
+    argmax = chain[2]
+    with body.graph.inserting_after(argmax):
+        again = body.graph.call_function(torch.ops.aten.add.Tensor, (argmax, 1))
+    assert patterns.index_chain(switch) is None
+    body.graph.erase_node(again)
+    # anything in the body that writes memory in place: the router's inputs at a trip's end might not be the next's
+    with body.graph.inserting_before(switch):
+        body.graph.call_function(torch.ops.aten.add_.Tensor, (source, 1.0))
+    assert patterns.index_chain(switch) is not None
+    assert handlers._next_trip_router(interp, body, values[:2], tuple(values[2:])) is None
 
 
 @functools.lru_cache(maxsize=None)
@@ -1026,8 +1109,9 @@ def test_each_capture_of_a_dynamic_batch_runs_the_router_in_the_set_kernel(monke
     with torch.no_grad():
         calls = record_capture(monkeypatch, ep, args)
     (body,) = [k for k in calls if k.endswith("WHILE1.0")]
-    assert [c[0] for c in calls[body]] == ["set_router", "SWITCH", "step"]
-    assert calls[body][0][1:3] == (batch, (256, 4))
+    assert [c[0] for c in calls[body]] == ["SWITCH", "step"]  # set before the loop and by each step
+    assert calls["top"][2][:3] == ("set_router", batch, (256, 4))
+    assert calls[body][1][-1][:3] == ("next_router", batch, (256, 4))
 
 
 @pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
@@ -1152,13 +1236,19 @@ def test_a_core_aten_router_is_one_set_router_call(monkeypatch):
     with torch.no_grad():
         calls = record_capture(monkeypatch, ep, (x, torch.tensor(3)))
     (body_calls,) = [k for k in calls if k.endswith("WHILE1.0")]
-    assert [c[0] for c in calls[body_calls]] == ["set_router", "SWITCH", "step"]
-    assert calls[body_calls][0][1:3] == (4, (32, 3))
+    assert [c[0] for c in calls[body_calls]] == ["SWITCH", "step"]
+    assert calls["top"][2][:3] == ("set_router", 4, (32, 3))
+    assert calls[body_calls][1][-1][:3] == ("next_router", 4, (32, 3))
     torch.testing.assert_close(calls["result"][1], model(x, torch.tensor(1))[1])  # one trip ran
-    (program,) = calls["routers"]
-    logits = program.source.evaluate()
-    assert logits.shape == (3,)
-    torch.testing.assert_close(logits, program.source.x.mean(0) @ program.source.w)
+    first, following = calls["routers"]  # before the loop on x's buffer; in the step on the trip's new x
+    assert following.source.x.data_ptr() != first.source.x.data_ptr()
+    assert torch.equal(following.source.x, calls["result"][1])
+    with torch.no_grad():  # what the one before the loop read: x
+        assert calls["decisions"][1] == int(torch.argmax(x.mean(0) @ model.router))
+    for program in (first, following):
+        logits = program.source.evaluate()
+        assert logits.shape == (3,)
+        torch.testing.assert_close(logits, program.source.x.mean(0) @ program.source.w)
 
 
 def test_unsqueeze_and_squeeze_around_a_routers_mm_are_its_steps():

@@ -153,6 +153,10 @@ class LoweringContext:
     sites: list[tuple[str, str, int]] = field(default_factory=list)
     #: VALIDATE: the fake mode the program runs under (its parameters and buffers are faked too)
     fake_mode: Any = None
+    #: CAPTURE: switch node -> (handle, index program) a loop sets before and after each trip
+    preset_switches: dict[Node, tuple[Any, Any]] = field(default_factory=dict)
+    #: CAPTURE: the switches of ``preset_switches`` that used their preset handle
+    preset_used: set[Node] = field(default_factory=set)
 
 
 class ControlFlowInterpreter(torch.fx.Interpreter):

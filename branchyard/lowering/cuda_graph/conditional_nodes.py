@@ -29,6 +29,8 @@ Semantics of the kernels, as Python (``n`` = number of SWITCH bodies)::
     set_program(h, p, n):    i = argmax(p.source) if p.argmax else p.source; i = p.steps(i)  # IndexProgram
                              h = min(max(i, 0), n - 1)          # switch clamps (branchyard.fx.control_flow)
     set_router(h, p, n):     the same with p.source = mean(x, 0) @ w computed by the kernel's one block  # RouterLogits
+    step_router(h, pred, copies, counter, increment, hr, p, n):   # a loop step and its NEXT trip's router:
+                             step(h, pred, copies, counter, increment); set_router(hr, p, n)  # p reads no copy's dst
     set_onehot(hs, i, n):    hs[k] = 1 if min(max(i, 0), n - 1) == k else 0   # switch as n IF nodes
     copy4(pairs):            dst[:] = src[:] for up to 4 dense (dst, src) pairs, one kernel node
 
@@ -125,14 +127,15 @@ __device__ __forceinline__ void by_copy(char* d, const char* s, unsigned long lo
                         char* d1, const char* s1, unsigned long long b1, \
                         char* d2, const char* s2, unsigned long long b2, \
                         char* d3, const char* s3, unsigned long long b3
-// Declares tid and stride (the step kernel's set-up thread is tid 0).
-#define BY_COPY4(count)                                                                  \
+// Declares tid and stride (the step kernel's set-up thread is tid 0); the copies use `blocks` blocks.
+#define BY_COPY4_ON(count, blocks)                                                       \
     unsigned long long tid = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;  \
-    unsigned long long stride = gridDim.x * (unsigned long long)blockDim.x;              \
+    unsigned long long stride = (blocks) * (unsigned long long)blockDim.x;               \
     if ((count) > 0) by_copy(d0, s0, b0, tid, stride);                                   \
     if ((count) > 1) by_copy(d1, s1, b1, tid, stride);                                   \
     if ((count) > 2) by_copy(d2, s2, b2, tid, stride);                                   \
     if ((count) > 3) by_copy(d3, s3, b3, tid, stride)
+#define BY_COPY4(count) BY_COPY4_ON(count, gridDim.x)
 
 // Everything a conditional node needs after its body, in ONE kernel node:
 //   copy up to four dense loop carries (new value -> carry buffer), then one thread
@@ -141,14 +144,15 @@ __device__ __forceinline__ void by_copy(char* d, const char* s, unsigned long lo
 //   counts the trip against max_iterations and sets the handle(s).
 // count: null, or the trip counter (reset != 0: set it to 0 -- the set before a WHILE node).
 // A predicate that holds while the counter has reached `limit` stops the loop and sets *exhausted.
-extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGraphConditionalHandle h_else,
-                                           int has_else, int op, int dtype, const void* a, const void* b,
-                                           long long ia, long long ib, double fa, double fb,
-                                           long long* count, long long limit, int reset, bool* exhausted,
-                                           void* inc, long long inc_by, int inc_dtype,
-                                           int ncopy, BY_COPY4_PARAMS) {
-    BY_COPY4(ncopy);
-    if (tid != 0) return;
+#define BY_STEP_PARAMS cudaGraphConditionalHandle h, cudaGraphConditionalHandle h_else,          \
+                       int has_else, int op, int dtype, const void* a, const void* b,             \
+                       long long ia, long long ib, double fa, double fb,                          \
+                       long long* count, long long limit, int reset, bool* exhausted,             \
+                       void* inc, long long inc_by, int inc_dtype
+#define BY_STEP_ARGS h, h_else, has_else, op, dtype, a, b, ia, ib, fa, fb, count, limit, reset, exhausted, \
+                     inc, inc_by, inc_dtype
+// The step's one-thread part, after the copies.
+__device__ void by_step_set(BY_STEP_PARAMS) {
     if (inc) {  // unsigned arithmetic: wraps like torch's integer add, without C++'s overflow UB
         if (inc_dtype == 1) *(unsigned long long*)inc += (unsigned long long)inc_by;
         else *(unsigned int*)inc += (unsigned int)inc_by;
@@ -161,6 +165,11 @@ extern "C" __global__ void branchyard_step(cudaGraphConditionalHandle h, cudaGra
     }
     cudaGraphSetConditional(h, v ? 1u : 0u);
     if (has_else) cudaGraphSetConditional(h_else, v ? 0u : 1u);
+}
+extern "C" __global__ void branchyard_step(BY_STEP_PARAMS, int ncopy, BY_COPY4_PARAMS) {
+    BY_COPY4(ncopy);
+    if (tid != 0) return;
+    by_step_set(BY_STEP_ARGS);
 }
 
 // The float a 16-bit pattern holds: dtype 8 bfloat16, else (9) float16.
@@ -357,10 +366,14 @@ __device__ void by_router_vec(float* smem, const void* x, const void* w, int dty
 //   logits[j] = sum_c v[c] * w[c, j]  (w row-major k x e)     -- rounded to dtype
 //   i = argmax(logits) (the first maximum; the first NaN wins), then the index steps.
 // vec: the host checked the vector path's conditions (by_router_vec); else one element per load.
-extern "C" __global__ void branchyard_set_router(cudaGraphConditionalHandle h, const void* x, const void* w, int dtype,
-                                                 long long rows, long long k, long long e, int mean, float inv_rows,
-                                                 int vec, int nsteps, int op0, long long a0, int op1, long long a1,
-                                                 int op2, long long a2, int op3, long long a3, long long n) {
+#define BY_ROUTER_PARAMS cudaGraphConditionalHandle hr, const void* x, const void* w, int rdtype, long long rows,   \
+                         long long k, long long e, int mean, float inv_rows, int vec, int nsteps,                 \
+                         int op0, long long a0, int op1, long long a1, int op2, long long a2, int op3,            \
+                         long long a3, long long n
+#define BY_ROUTER_ARGS hr, x, w, rdtype, rows, k, e, mean, inv_rows, vec, nsteps, op0, a0, op1, a1, op2, a2, op3, a3, n
+__device__ void by_router_set(BY_ROUTER_PARAMS) {
+    const cudaGraphConditionalHandle h = hr;
+    const int dtype = rdtype;
     __shared__ float smem[BY_ROUTER_MAX_K + BY_ROUTER_MAX_E];
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5, warps = BY_ROUTER_THREADS / 32;
     float* logits;
@@ -401,6 +414,23 @@ extern "C" __global__ void branchyard_set_router(cudaGraphConditionalHandle h, c
     const long long as[4] = {a0, a1, a2, a3};
     by_steps_and_set(h, best, nsteps, ops, as, n);
 }
+extern "C" __global__ void branchyard_set_router(BY_ROUTER_PARAMS) {
+    by_router_set(BY_ROUTER_ARGS);
+}
+
+// A loop trip's step AND the next trip's router index in ONE node (a switch index computed only
+// from loop carries and loop invariants is known as soon as a trip's new carries are): the last
+// block is branchyard_set_router's on the new carry (a copy's source, so it needs no copy to land
+// first), the blocks before it are branchyard_step's. Blocks of BY_ROUTER_THREADS threads.
+extern "C" __global__ void branchyard_step_router(BY_STEP_PARAMS, int ncopy, BY_COPY4_PARAMS, BY_ROUTER_PARAMS) {
+    if (blockIdx.x == gridDim.x - 1) {
+        by_router_set(BY_ROUTER_ARGS);
+        return;
+    }
+    BY_COPY4_ON(ncopy, gridDim.x - 1);
+    if (tid != 0) return;
+    by_step_set(BY_STEP_ARGS);
+}
 
 // Switch as a chain of IF nodes: handle k of this launch is set to (clamp(index) == base + k).
 extern "C" __global__ void branchyard_set_onehot(const void* index, int dtype, long long n, long long base, int count,
@@ -424,6 +454,7 @@ SET_KERNEL_NAMES = (
     "branchyard_step",
     "branchyard_set_program",
     "branchyard_set_router",
+    "branchyard_step_router",
     "branchyard_set_onehot",
     "branchyard_copy4",
 )
@@ -667,9 +698,14 @@ class ConditionalBuilder:
         counter: "TripCounter | None" = None,
         reset: bool = False,
         increment: tuple[torch.Tensor, int] | None = None,
+        next_index: "tuple[Any, IndexProgram, int] | None" = None,
     ) -> None:
         """Capture ONE step kernel: ``dst.copy_(src)`` for ``copies``, then ``handles[0] = pred``
         (and ``handles[1] = not pred`` for an IF pair).
+
+        ``next_index=(h, program, n)``, ``program`` a router (:class:`~.patterns.RouterLogits`
+        source) on tensors no copy writes: the same node also sets ``h`` as
+        :meth:`set_from_program` would, in its own block (the loop's next switch index).
 
         ``pred`` is a 0-d bool tensor or a :class:`~.patterns.Comparison` the kernel
         evaluates itself. With a ``counter`` the trip is counted (``reset``: set to 0,
@@ -714,8 +750,13 @@ class ConditionalBuilder:
                  ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_double, ctypes.c_double,
                  ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p,
                  ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int) + self._COPY_TYPES
-        self._launch("branchyard_step", args, types, grid=self._copy_blocks(dense), block=256 if dense else 1)
-        self._keepalive.append((pred, dense, counter, increment))
+        if next_index is not None:
+            r_args, r_types = self._router_args(*next_index)
+            self._launch("branchyard_step_router", args + r_args, types + r_types,
+                         grid=self._copy_blocks(dense) + 1, block=ROUTER_THREADS)
+        else:
+            self._launch("branchyard_step", args, types, grid=self._copy_blocks(dense), block=256 if dense else 1)
+        self._keepalive.append((pred, dense, counter, increment, next_index))
 
     def set_from_index(self, handle: Any, index: torch.Tensor, n: int) -> None:
         """Capture a set kernel: ``handle = clamp(index, 0, n - 1)`` (any integer dtype)."""
@@ -757,6 +798,13 @@ class ConditionalBuilder:
     def _set_from_router(self, handle: Any, program: "IndexProgram", n: int) -> None:
         """Capture ONE router set kernel: ``handle = clamp(steps(argmax(logits)), 0, n - 1)``
         with the logits of ``program.source`` (a :class:`~.patterns.RouterLogits`)."""
+        args, types = self._router_args(handle, program, n)
+        self._launch("branchyard_set_router", args, types, block=ROUTER_THREADS)
+        self._keepalive.append(program)
+
+    def _router_args(self, handle: Any, program: "IndexProgram", n: int) -> tuple[tuple, tuple]:
+        """The router kernels' trailing arguments and their ctypes; a LoweringError when
+        ``program`` is not a router the kernel computes."""
         from branchyard.lowering.cuda_graph.patterns import (
             MAX_ARGMAX_ELEMENTS, MAX_INDEX_STEPS, MAX_ROUTER_ELEMENTS, MAX_ROUTER_K, ROUTER_DTYPE_CODES, RowMean,
         )
@@ -784,8 +832,7 @@ class ConditionalBuilder:
         types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
                  ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_int,
                  *step_types, ctypes.c_longlong)
-        self._launch("branchyard_set_router", args, types, block=ROUTER_THREADS)
-        self._keepalive.append(program)
+        return args, types
 
     def set_onehot(self, handles: list[Any], index: torch.Tensor, per_kernel: int = 8) -> None:
         """Capture set kernels: ``handles[k] = (clamp(index, 0, n - 1) == k)`` (switch as n IF nodes),

@@ -9,7 +9,9 @@ ones while warming up) and how it is *captured* into a conditional node::
         evaluate: check carries and predicate; run cond_fn, body_fn, cond_fn once
         capture:  bufs <- carried; step(h, cond_fn(*bufs))
                   WHILE(h) { new = body_fn(*bufs); step(h, cond_fn(*new), bufs <- new) }
-                  (a counter carry's `i + k` becomes the step kernel's `i += k`)
+                  (a counter carry's `i + k` becomes the step kernel's `i += k`; a switch index
+                  that is a router of one carry and loop invariants is set before the loop and,
+                  for the next trip, by the step kernel: see _next_trip_router)
         run:      (eager fallback) a host loop, stopped after max_iterations trips
     cond(pred, true_fn, false_fn, operands)
         evaluate: check predicate; run both branches; branch outputs must agree
@@ -214,9 +216,23 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
     if counter_carry is not None:  # the body's `i + k` becomes the step kernel's `i += k`
         k, node, by, read_by_predicate = counter_carry
         skip, increment = {node: bufs[k]}, (bufs[k], by)
+    rotated = _next_trip_router(interp, body_fn, bufs, additional)
+    if rotated is not None:  # trip 0's switch index, set before the loop
+        switch_node, carry, program, n = rotated
+        rotated = (switch_node, carry, program, n, b.new_handle())
+        try:
+            b.set_from_program(rotated[4], program, n)
+        except LoweringError:  # not a router the kernel computes (checked before anything is captured)
+            rotated = None
+        else:
+            ctx.preset_switches[switch_node] = (rotated[4], program)
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
-        outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn", substitute=skip))
+        try:
+            outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn", substitute=skip))
+        finally:
+            if rotated is not None:
+                ctx.preset_switches.pop(rotated[0], None)
         # A carry returned unchanged needs no write-back. Anything else that shares memory with a
         # carry buffer (a swap, a transpose of itself) is read into a fresh tensor before any write.
         unchanged = [_same_view(o, buf) for o, buf in zip(outs, bufs)]
@@ -233,8 +249,97 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
                 where=interp.where(),
             )
         copies = [(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same]
-        b.set_predicate((handle,), pred, counter=counter, copies=copies, increment=increment)
+        next_index = after = None
+        if rotated is not None and rotated[0] in ctx.preset_used:
+            # The switch read the handle set before the loop; the step sets it for the next trip,
+            # reading the new carry where it was made (a contiguous copy source), else a kernel
+            # after the step reads the carry buffer.
+            ctx.preset_used.discard(rotated[0])
+            switch_node, carry, program, n, h = rotated
+            if outs[carry].is_contiguous():
+                next_index = (h, with_router_input(program, outs[carry]), n)
+            else:
+                after = (h, program, n)
+        b.set_predicate((handle,), pred, counter=counter, copies=copies, increment=increment, next_index=next_index)
+        if after is not None:
+            b.set_from_program(*after)
     return tuple(bufs)
+
+
+#: Whether a loop whose switch index is a router of one loop carry and loop invariants
+#: (``argmax(mean(x, 0) @ w)``) computes the next trip's index in its step kernel, so a
+#: trip runs one node fewer; benchmarks turn it off to compare.
+ROTATE_ROUTER = True
+
+
+def _next_trip_router(interp: "ControlFlowInterpreter", body_fn: Any, bufs: list[torch.Tensor],
+                      additional: tuple) -> "tuple[Any, int, IndexProgram, int] | None":
+    """``(switch, k, program, n)`` for a switch of ``n`` branches at the top of ``body_fn`` whose
+    index is a router of carry ``k`` and loop invariants (``program``, on ``bufs[k]``), when
+    the body writes no memory in place (so the router's inputs at a trip's end are the next
+    trip's); else None. The loop then sets its handle before the loop and in each step kernel::
+
+        before: WHILE { set_router(h, x, w); SWITCH(h) {...}; ...; step(x <- x') }
+        after:  set_router(h, x, w); WHILE { SWITCH(h) {...}; ...; step_router(x <- x'; h = router(x', w)) }
+    """
+    from branchyard.fx.mutation import may_write
+    from branchyard.lowering.cuda_graph.patterns import RouterLogits, evaluate_index_chain, index_chain
+
+    ctx = interp.ctx
+    if not ROTATE_ROUTER or ctx.switch_as_ifs or not isinstance(body_fn, torch.fx.GraphModule):
+        return None
+    nodes = list(body_fn.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    values = [*bufs, *additional]
+    if len(placeholders) != len(values) or any(may_write(n) for n in nodes):
+        return None
+    env: dict[Any, Any] = dict(zip(placeholders, values))
+    for n in nodes:
+        if n.op == "get_attr":
+            env[n] = _fetch_attr(body_fn, n.target)
+    for switch_node in (n for n in nodes if is_switch_node(n)):
+        found = index_chain(switch_node)
+        if found is None or len(switch_node.args) < 2 or len(switch_node.args[1]) < 2:
+            continue
+        source, chain = found
+        k = placeholders.index(source)
+        program = evaluate_index_chain(chain, env) if k < len(bufs) else None
+        if program is not None and isinstance(program.source, RouterLogits) and program.source.x is bufs[k]:
+            return switch_node, k, program, len(switch_node.args[1])
+    return None
+
+
+def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def with_router_input(program: IndexProgram, x: torch.Tensor) -> IndexProgram:
+    """``program`` (a router's) with ``x`` in place of the router's input."""
+    from branchyard.lowering.cuda_graph.patterns import RouterLogits, RowMean
+
+    r = program.source
+    a = RowMean(x, r.a.keepdim) if isinstance(r.a, RowMean) else x
+    return IndexProgram(RouterLogits(a, r.w, r.target, r.shape), program.argmax, program.steps)
+
+
+def same_index_program(a: Any, b: IndexProgram) -> bool:
+    """Whether ``a`` is the index program ``b``: the same steps on the same tensors (by memory and layout)."""
+    from branchyard.lowering.cuda_graph.patterns import RouterLogits, RowMean
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return _same_view(x, y) and x.device == y.device
+        if isinstance(x, RowMean) and isinstance(y, RowMean):
+            return x.keepdim == y.keepdim and same(x.x, y.x)
+        if isinstance(x, RouterLogits) and isinstance(y, RouterLogits):
+            return x.target is y.target and x.shape == y.shape and same(x.a, y.a) and same(x.w, y.w)
+        return False
+
+    return (isinstance(a, IndexProgram) and a.argmax == b.argmax and a.steps == b.steps
+            and same(a.source, b.source))
 
 
 def _counter_carry(body_fn: Any, cond_fn: Any, bufs: list[torch.Tensor], first_predicate: Any) -> tuple | None:
@@ -394,6 +499,10 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
         return interp.subgraph(branches[i], operands, f"branch {i}")
     ctx, b = interp.ctx, interp.ctx.builder
     outs = _output_buffers(interp, node)
+    preset = ctx.preset_switches.get(node)
+    if preset is not None and same_index_program(index, preset[1]):
+        ctx.preset_used.add(node)  # set before the loop and by each trip's step (_next_trip_router)
+        return _fill_switch(interp, b, preset[0], branches, operands, outs)
     if isinstance(index, IndexProgram) and not ctx.switch_as_ifs:
         handle = b.new_handle()
         b.set_from_program(handle, index, n)  # the index's argmax/clamp/remainder in the set kernel

@@ -71,6 +71,8 @@ __all__ = [
     "RouterLogits",
     "RowMean",
     "router_feeds_switch",
+    "index_chain",
+    "evaluate_index_chain",
     "match_router_step",
     "feeds_only_switch_index",
     "match_comparison",
@@ -492,6 +494,52 @@ def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool], _source
         if not feeds_only_switch_index(user, is_switch, source):
             return False
     return True
+
+
+def index_chain(switch: Any) -> "tuple[Any, list[Any]] | None":
+    """``(source, chain)`` when the FX ``switch``'s index is computed from ONE graph input
+    ``source`` by a ``chain`` of router and index steps (:data:`ROUTER_STEPS`,
+    :data:`INDEX_STEPS`, in program order), each the sole use of the one before and
+    every other tensor operand a graph input or attribute; else None. What a loop may
+    compute for its next trip as soon as a trip's carries are known::
+
+        m = mean(x, [0]); l = matmul(m, w); i = argmax(l); switch(i, ...)   ->   (x, [m, l, i])
+    """
+    if not switch.args or not isinstance(switch.args[0], torch.fx.Node):
+        return None
+    chain, node = [], switch.args[0]
+    while node.op == "call_function":
+        if not (_hashable(node.target) and (node.target in ROUTER_STEPS or node.target in INDEX_STEPS)):
+            return None
+        rest: list[Any] = []
+        torch.fx.node.map_arg((node.args[1:], node.kwargs), rest.append)
+        if not node.args or not isinstance(node.args[0], torch.fx.Node) or any(
+            r.op not in ("placeholder", "get_attr") for r in rest
+        ):
+            return None
+        chain.append(node)
+        node = node.args[0]
+    if not chain or node.op != "placeholder":
+        return None
+    chain.reverse()
+    if any(list(a.users) != [b] for a, b in zip(chain, [*chain[1:], switch])):
+        return None
+    return node, chain
+
+
+def evaluate_index_chain(chain: list[Any], env: dict[Any, Any]) -> "IndexProgram | None":
+    """The :class:`IndexProgram` the set kernel computes for ``chain`` (from :func:`index_chain`),
+    its operands' values in ``env`` (FX node -> value); None where a step does not fit the kernel."""
+    values = dict(env)
+    value: Any = None
+    for node in chain:
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+        match = match_router_step if node.target in ROUTER_STEPS else match_index_step
+        value = match(node.target, args, kwargs)
+        if value is None:
+            return None
+        values[node] = value
+    return value if isinstance(value, IndexProgram) else None
 
 
 # --------------------------------------------------------------------------- counters

@@ -376,11 +376,12 @@ def test_a_loops_router_is_set_for_the_next_trip_by_the_step_kernel(dtype, monke
             y = model.step(y)
     assert len(set(picks)) > 1, picks
     for trips in (0, 1, 2, 5, 12):
+        t = scalar(trips)
         with no_host_sync():
-            got = rotated(x, scalar(trips))
-        want = in_body(x, scalar(trips))
+            got = rotated(x, t)
+        want = in_body(x, t)
         assert int(got[0]) == trips
         assert torch.equal(got[1], want[1])  # the same kernels, the same order of sums
         if dtype == torch.float32:
             with torch.no_grad():
-                torch.testing.assert_close(got[1], model(x, scalar(trips))[1], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(got[1], model(x, t)[1], atol=1e-4, rtol=1e-4)

@@ -1437,3 +1437,34 @@ def test_a_counter_written_in_place_after_its_sum_is_not_incremented_by_the_step
     assert int(i) == int(want_i) == 1 and torch.equal(y, want_y)
     (body,) = [k for k in calls if "WHILE" in k]
     assert calls[body][-1][-1] == (None if write_carry else 1)  # the step's increment
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_a_rotated_router_whose_new_carry_is_not_contiguous_is_set_after_the_step(monkeypatch):
+    # torch.export keeps a carry's strides, but a hand-made graph may return a transposed carry:
+    # the step kernel's router block could not read it, so a set kernel after the step reads the buffer
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.fx.graph_walk import copy_graph_module
+    from branchyard.passes import cond_to_switch
+
+    model = DecodeLoop(dim=8, hidden=16, num_experts=3).eval()
+    args = (torch.randn(8, 8), torch.tensor(3))
+    gm = copy_graph_module(cond_to_switch(torch.export.export(model, args)).module(), share_tensors=True)
+    body = gm.get_submodule("while_loop_body_graph_0")
+    out = next(n for n in body.graph.nodes if n.op == "output")
+    counter, x = out.args[0]
+    with body.graph.inserting_before(out):
+        xt = body.graph.call_function(torch.ops.aten.t.default, (x,))
+    out.args = ((counter, xt),)
+    body.recompile()
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, gm, args)
+    (body_calls,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls["top"]] == ["copy", "step", "set_router", "WHILE"]
+    assert [c[0] for c in calls[body_calls]] == ["SWITCH", "step", "set_router"]
+    assert len(calls[body_calls][1]) == 7  # a plain step
+    first, after = calls["routers"]
+    assert after.source.x.data_ptr() == first.source.x.data_ptr()  # the carry's buffer, after the copy
+    with torch.no_grad():  # what the set kernel after the step reads: the trip's new x, transposed
+        y = model.step(args[0]).t()
+        assert calls["decisions"][-1] == min(max(int(torch.argmax(y.mean(0) @ model.router)), 0), 2)

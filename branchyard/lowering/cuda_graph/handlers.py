@@ -282,6 +282,7 @@ def _next_trip_router(interp: "ControlFlowInterpreter", body_fn: Any, bufs: list
         before: WHILE { set_router(h, x, w); SWITCH(h) {...}; ...; step(x <- x') }
         after:  set_router(h, x, w); WHILE { SWITCH(h) {...}; ...; step_router(x <- x'; h = router(x', w)) }
     """
+    from branchyard.fx.graph_walk import resolve_attr
     from branchyard.fx.mutation import may_write
     from branchyard.lowering.cuda_graph.patterns import RouterLogits, evaluate_index_chain, index_chain
 
@@ -296,7 +297,7 @@ def _next_trip_router(interp: "ControlFlowInterpreter", body_fn: Any, bufs: list
     env: dict[Any, Any] = dict(zip(placeholders, values))
     for n in nodes:
         if n.op == "get_attr":
-            env[n] = _fetch_attr(body_fn, n.target)
+            env[n] = resolve_attr(body_fn, n.target)
     for switch_node in (n for n in nodes if is_switch_node(n)):
         found = index_chain(switch_node)
         if found is None or len(switch_node.args) < 2 or len(switch_node.args[1]) < 2:
@@ -307,13 +308,6 @@ def _next_trip_router(interp: "ControlFlowInterpreter", body_fn: Any, bufs: list
         if program is not None and isinstance(program.source, RouterLogits) and program.source.x is bufs[k]:
             return switch_node, k, program, len(switch_node.args[1])
     return None
-
-
-def _fetch_attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def with_router_input(program: IndexProgram, x: torch.Tensor) -> IndexProgram:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import random
 import warnings
 
 import pytest
@@ -1468,3 +1469,50 @@ def test_a_rotated_router_whose_new_carry_is_not_contiguous_is_set_after_the_ste
     with torch.no_grad():  # what the set kernel after the step reads: the trip's new x, transposed
         y = model.step(args[0]).t()
         assert calls["decisions"][-1] == min(max(int(torch.argmax(y.mean(0) @ model.router)), 0), 2)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_index_chain_evaluates_as_torch_runs_it(seed):
+    """Random router / index chains: ``evaluate_index_chain`` either declines or computes
+    the same index as running the chain's nodes with torch."""
+    from branchyard.lowering.cuda_graph import patterns
+
+    aten = torch.ops.aten
+    rng = random.Random(seed)
+    rows, k, e = rng.choice([1, 3, 8]), rng.choice([4, 16]), rng.choice([2, 5, 8])
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    vector = rng.random() < 0.3
+    if vector:
+        v = x
+        xv = torch.randn(k)
+    else:
+        dims = rng.choice([[0], [-2], [1]])  # [1]: not a router's mean, the chain must decline
+        keepdim = rng.random() < 0.3
+        v = g.call_function(aten.mean.dim, (x, dims, keepdim))
+        if not keepdim and rng.random() < 0.5:
+            v = g.call_function(aten.unsqueeze.default, (v, 0))
+        xv = torch.randn(rows, k)
+    target = rng.choice([aten.matmul.default, aten.mm.default])
+    logits = g.call_function(target, (v, w))
+    if rng.random() < 0.5:
+        logits = g.call_function(aten.squeeze.dims, (logits, [0]))
+    i = g.call_function(aten.argmax.default, (logits,))
+    for _ in range(rng.randrange(4)):
+        if rng.random() < 0.5:
+            i = g.call_function(aten.clamp.default, (i, rng.randint(-2, 2), rng.randint(2, 9)))
+        else:
+            i = g.call_function(aten.remainder.Scalar, (i, rng.choice([-3, 2, 3, 7])))
+    out = g.output(i)
+    wv = torch.randn(k, e)
+    try:
+        want = torch.fx.GraphModule(torch.nn.Module(), g)(xv, wv)
+    except RuntimeError:
+        want = None  # torch refuses the shapes (mm of a vector, a mean over the wrong dim): so must we
+    source, chain = patterns.index_chain(out)
+    assert source is x and chain[-1] is i
+    program = patterns.evaluate_index_chain(chain, {x: xv, w: wv})
+    if program is None:
+        return  # declined: the set kernel would not compute it, the capture runs torch's kernels
+    assert want is not None and want.numel() == 1
+    assert int(program.evaluate()) == int(want)

@@ -558,13 +558,17 @@ class RecordingBuilder:
         self.calls: dict[str, list[tuple]] = {"top": []}
         self.routers: list = []  # the IndexPrograms of set_router calls
         self.decisions: list = []  # what each set kernel reads at its node: a predicate's bool, an index
+        self.set_handles: list = []  # the handle of each set_from_program call
+        self.node_handles: list = []  # (kind, handle) of each conditional node
+        self._handles = 0
         self._where = ["top"]
 
     def _log(self, *call):
         self.calls[self._where[-1]].append(call)
 
     def new_handle(self):
-        return object()
+        self._handles += 1
+        return self._handles  # numbered, so that two identical captures record equal calls
 
     def set_predicate(self, handles, pred, *, copies=(), counter=None, reset=False, increment=None, next_index=None):
         # the router of next_index reads no copy's destination: what it reads is the same before and after
@@ -591,6 +595,7 @@ class RecordingBuilder:
     def set_from_program(self, handle, program, n):
         from branchyard.lowering.cuda_graph.patterns import RouterLogits
 
+        self.set_handles.append(handle)
         self.decisions.append(int(program.evaluate()))  # the kernel reads its sources here, at the switch
         if isinstance(program.source, RouterLogits):
             r = program.source
@@ -609,6 +614,7 @@ class RecordingBuilder:
         self._log("copy", len(pairs))
 
     def add_node(self, kind, handle, size):
+        self.node_handles.append((kind.name, handle))
         self._log(kind.name, size)
         names = [f"{self._where[-1]}/{kind.name}{len(self.calls)}.{i}" for i in range(size)]
         for name in names:
@@ -642,6 +648,8 @@ def record_capture(monkeypatch, program, args, **options) -> dict[str, list[tupl
     ctx.builder.calls["result"] = out
     ctx.builder.calls["routers"] = ctx.builder.routers
     ctx.builder.calls["decisions"] = ctx.builder.decisions
+    ctx.builder.calls["set_handles"] = ctx.builder.set_handles
+    ctx.builder.calls["node_handles"] = ctx.builder.node_handles
     return ctx.builder.calls
 
 
@@ -1516,3 +1524,25 @@ def test_an_index_chain_evaluates_as_torch_runs_it(seed):
         return  # declined: the set kernel would not compute it, the capture runs torch's kernels
     assert want is not None and want.numel() == 1
     assert int(program.evaluate()) == int(want)
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="cond_to_switch needs torch >= 2.14")
+def test_a_switch_whose_index_is_not_the_loops_router_sets_the_loops_handle_itself(monkeypatch):
+    # should the switch see another index than the one set before the loop, it sets that same
+    # handle in the body (a handle must belong to a conditional node) and the step sets nothing
+    from branchyard.examples.decode_loop import DecodeLoop
+    from branchyard.lowering.cuda_graph import handlers
+    from branchyard.passes import cond_to_switch
+
+    model = DecodeLoop(dim=16, hidden=32, num_experts=3).eval()
+    args = (torch.randn(4, 16), torch.tensor(3))
+    ep = cond_to_switch(torch.export.export(model, args))
+    monkeypatch.setattr(handlers, "same_index_program", lambda a, b: False)
+    with torch.no_grad():
+        calls = record_capture(monkeypatch, ep, args)
+    (body,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls["top"]] == ["copy", "step", "set_router", "WHILE"]
+    assert [c[0] for c in calls[body]] == ["set_router", "SWITCH", "step"]
+    assert len(calls[body][2]) == 7  # a plain step: no next_router
+    (switch_handle,) = [h for kind, h in calls["node_handles"] if kind == "SWITCH"]
+    assert calls["set_handles"] == [switch_handle, switch_handle]

@@ -220,19 +220,18 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
     if rotated is not None:  # trip 0's switch index, set before the loop
         switch_node, carry, program, n = rotated
         rotated = (switch_node, carry, program, n, b.new_handle())
-        try:
-            b.set_from_program(rotated[4], program, n)
-        except LoweringError:  # not a router the kernel computes (checked before anything is captured)
-            rotated = None
-        else:
-            ctx.preset_switches[switch_node] = (rotated[4], program)
+        b.set_from_program(rotated[4], program, n)  # what the switch's own set kernel would have run
+        ctx.preset_switches[switch_node] = (rotated[4], program)
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
         try:
             outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn", substitute=skip))
         finally:
+            used = False
             if rotated is not None:
                 ctx.preset_switches.pop(rotated[0], None)
+                used = rotated[0] in ctx.preset_used
+                ctx.preset_used.discard(rotated[0])
         # A carry returned unchanged needs no write-back. Anything else that shares memory with a
         # carry buffer (a swap, a transpose of itself) is read into a fresh tensor before any write.
         unchanged = [_same_view(o, buf) for o, buf in zip(outs, bufs)]
@@ -250,11 +249,10 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
             )
         copies = [(buf, o) for buf, o, same in zip(bufs, outs, unchanged) if not same]
         next_index = after = None
-        if rotated is not None and rotated[0] in ctx.preset_used:
+        if used:
             # The switch read the handle set before the loop; the step sets it for the next trip,
             # reading the new carry where it was made (a contiguous copy source), else a kernel
             # after the step reads the carry buffer.
-            ctx.preset_used.discard(rotated[0])
             switch_node, carry, program, n, h = rotated
             if outs[carry].is_contiguous():
                 next_index = (h, with_router_input(program, outs[carry]), n)
@@ -497,8 +495,11 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
     if preset is not None and same_index_program(index, preset[1]):
         ctx.preset_used.add(node)  # set before the loop and by each trip's step (_next_trip_router)
         return _fill_switch(interp, b, preset[0], branches, operands, outs)
+    # A preset handle the index turned out not to match is set here like a new one: a handle
+    # must belong to a conditional node, and this set kernel overrides the loop's.
+    handle = preset[0] if preset is not None else None
     if isinstance(index, IndexProgram) and not ctx.switch_as_ifs:
-        handle = b.new_handle()
+        handle = handle if handle is not None else b.new_handle()
         b.set_from_program(handle, index, n)  # the index's argmax/clamp/remainder in the set kernel
         return _fill_switch(interp, b, handle, branches, operands, outs)
     if isinstance(index, IndexProgram):
@@ -515,7 +516,7 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
             with b.capture_into(body):
                 _fill(interp, fn, operands, outs, f"branch {k}")
         return tuple(outs)
-    handle = b.new_handle()
+    handle = handle if handle is not None else b.new_handle()
     b.set_from_index(handle, idx, n)
     return _fill_switch(interp, b, handle, branches, operands, outs)
 

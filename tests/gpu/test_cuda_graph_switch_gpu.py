@@ -385,3 +385,36 @@ def test_a_loops_router_is_set_for_the_next_trip_by_the_step_kernel(dtype, monke
         if dtype == torch.float32:
             with torch.no_grad():
                 torch.testing.assert_close(got[1], model(x, t)[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_hand_built_router_loop_follows_eager_trip_by_trip(dtype, monkeypatch):
+    # torch 2.11 too: the switch is fx_builders', the router reads the carry x
+    from branchyard.lowering.cuda_graph import handlers
+    from branchyard.lowering.cuda_graph.fx_builders import router_loop_module
+
+    g = torch.Generator().manual_seed(7)
+    branches = [(lambda j: lambda x: x.roll(j + 1, 1) - j)(j) for j in range(4)]
+    w = torch.randint(-2, 3, (64, 4), generator=g).to(DEV, dtype)
+    x = torch.randint(-3, 4, (4, 64), generator=g).to(DEV, dtype)  # integers: every sum exact, any order
+    program = router_loop_module(branches, w, trips_until=12)
+    rotated = lower(program, (scalar(0), x))
+    monkeypatch.setattr(handlers, "ROTATE_ROUTER", False)
+    in_body = lower(program, (scalar(0), x))
+    r, b = rotated.graph_nodes, in_body.graph_nodes
+    assert r.bodies[0].by_type["KERNEL"] == b.bodies[0].by_type["KERNEL"] - 1, (r.summary(), b.summary())
+
+    def reference(start):
+        y, picks = x, []
+        for _ in range(start, 12):
+            picks.append(int(torch.argmax(y.mean(0) @ w)))
+            y = branches[picks[-1]](y)
+        return y, picks
+
+    assert len(set(reference(0)[1])) > 1, reference(0)[1]
+    for start in (12, 11, 9, 0):  # 0, 1, 3 and 12 trips
+        i0 = scalar(start)
+        with no_host_sync():
+            got = rotated(i0, x)
+        assert int(got[0]) == 12 and torch.equal(got[1], in_body(i0, x)[1])
+        assert torch.equal(got[1], reference(start)[0])

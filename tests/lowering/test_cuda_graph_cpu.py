@@ -1546,3 +1546,19 @@ def test_a_switch_whose_index_is_not_the_loops_router_sets_the_loops_handle_itse
     assert len(calls[body][2]) == 7  # a plain step: no next_router
     (switch_handle,) = [h for kind, h in calls["node_handles"] if kind == "SWITCH"]
     assert calls["set_handles"] == [switch_handle, switch_handle]
+
+
+def test_a_hand_built_router_loop_is_rotated_on_any_torch(monkeypatch):
+    # no export, no torch 2.14 switch: the shape torch 2.11 users build with fx_builders
+    from branchyard.lowering.cuda_graph.fx_builders import router_loop_module
+
+    branches = [(lambda j: lambda x: x.roll(j + 1, 1) - j)(j) for j in range(4)]
+    w = torch.randint(-2, 3, (16, 4)).float()
+    program = router_loop_module(branches, w, trips_until=5)
+    args = (torch.tensor(0), torch.randint(-3, 4, (4, 16)).float())
+    calls = record_capture(monkeypatch, program, args)
+    (body,) = [k for k in calls if k.endswith("WHILE1.0")]
+    assert [c[0] for c in calls["top"]] == ["copy", "step", "set_router", "WHILE"]
+    assert [c[0] for c in calls[body]] == ["SWITCH", "step"]
+    # the counter's `i + 1` and the next trip's router, both in the step kernel
+    assert calls[body][1][6] == 1 and calls[body][1][-1][:3] == ("next_router", 4, (16, 4))

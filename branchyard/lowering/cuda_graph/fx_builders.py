@@ -28,7 +28,9 @@ from torch.fx import Graph, GraphModule
 from branchyard.fx.control_flow import switch
 from branchyard.fx.switch_lowering import lower_switch
 
-__all__ = ["as_graph_module", "trace", "while_loop_module", "switch_module", "cond_module", "cond_tree_module"]
+__all__ = [
+    "as_graph_module", "trace", "while_loop_module", "switch_module", "cond_module", "cond_tree_module", "router_loop_module",
+]
 
 
 class _GraphModuleLeaves(torch.fx.Tracer):
@@ -134,3 +136,31 @@ def cond_tree_module(branches: Sequence[Callable | GraphModule], num_operands: i
     lower_switch(gm, node)
     gm.recompile()
     return gm
+
+
+def router_loop_module(branches: Sequence[Callable | GraphModule], w: torch.Tensor, trips_until: int) -> GraphModule:
+    """``forward(i, x) -> (i, x)`` after ``while i < trips_until: i, x = i + 1,
+    branches[clamp(argmax(mean(x, 0) @ w))](x)``: one while_loop whose body's switch
+    is indexed by a router of the carry ``x`` (``w`` a buffer of the body), the
+    shape of an LLM decode step's expert dispatch::
+
+        >>> loop = router_loop_module([lambda x: x + 2, lambda x: x - 1], torch.tensor([[-1.0, 1.0]]), 3)
+        >>> loop(torch.tensor(0), torch.tensor([[0.0]]))   # x: 0 -> 2 -> 1 -> 0 (picks 0, 1, 1)
+        (tensor(3), tensor([[0.]]))
+    """
+    aten = torch.ops.aten
+    body = switch_module(branches, num_operands=1)
+    body.register_buffer("router_w", w)
+    g = body.graph
+    i, x = [n for n in g.nodes if n.op == "placeholder"]
+    node = next(n for n in g.nodes if n.op == "call_function" and n.target is switch)
+    with g.inserting_before(node):
+        mean = g.call_function(aten.mean.dim, (x, [0]))
+        index = g.call_function(aten.argmax.default, (g.call_function(aten.matmul.default, (mean, g.get_attr("router_w"))),))
+    node.args = (index, *node.args[1:])
+    out = next(n for n in g.nodes if n.op == "output")
+    (y,) = out.args[0]
+    with g.inserting_before(out):
+        out.args = ((g.call_function(aten.add.Tensor, (i, 1)), y),)
+    body.recompile()
+    return while_loop_module(lambda i, x: i < trips_until, body, num_carried=2)

@@ -32,3 +32,14 @@ def test_table_of_recorded_rows_recomputes_the_floor_and_names_the_speedups(benc
     assert cells[cells.index("fails: RuntimeError")] and "38.0" in cells
     assert "best branchyard column by_full_inductor 38.0 us/step" in table
     assert "(differs)" in table  # batch 1 at 40 trips: recorded, not hidden
+
+
+def test_the_rotation_race_columns_come_after_the_pipelines(bench):
+    rows_file = ROOT / "benchmarks" / "results" / "2026-12-02-0000" / "decode_loop_1024.jsonl"
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    head, _, *body = bench.markdown(rows).splitlines()
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    assert columns[columns.index("by_full_inductor") + 1 :] == ["router_in_step", "router_in_body", "floor"]
+    row16 = next(line for line in body if line.startswith("| 2.14.1 | 1024x4096 | 16 |"))
+    cells = [c.strip() for c in row16.strip("|").split("|")]
+    assert cells[columns.index("router_in_step")] == "28.4" and cells[columns.index("router_in_body")] == "30.1"

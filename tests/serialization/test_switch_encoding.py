@@ -132,23 +132,32 @@ def test_unclamped_index_out_of_range_raises_after_the_round_trip_as_before(tmp_
     _check_same(back, ep, 4)
 
 
-def test_saving_is_linear_in_the_number_of_branches(tmp_path):
-    sizes, times = {}, {}
+def _fastest(fn, runs: int = 3) -> float:
+    """The fastest of ``runs`` calls of ``fn``: one call can stall on a shared machine."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_saving_grows_with_the_branches_not_with_their_square(tmp_path):
+    sizes, lowering, saving = {}, {}, {}
     for n in (50, 100, 200):
         ep = wide_program(n)
         lowered, count = lower_switches_for_save(ep)
         sizes[n] = sum(len(m.graph.nodes) for m in iter_graph_modules(lowered.graph_module))
         if n != 100:
-            runs = []
-            for _ in range(3):  # the fastest of three: one save can stall on a shared machine
-                start = time.perf_counter()
-                branchyard.save(ep, tmp_path / f"w{n}.pt2")
-                runs.append(time.perf_counter() - start)
-            times[n] = min(runs)
+            lowering[n] = _fastest(lambda: lower_switches_for_save(ep))
+            saving[n] = _fastest(lambda: branchyard.save(ep, tmp_path / f"w{n}.pt2"))
     # Every branch adds one leaf and one inner graph, each of constant size.
     assert sizes[200] - sizes[100] == 2 * (sizes[100] - sizes[50])
-    # Loosely (a shared machine): 4x the branches, not 16x the time.
-    assert times[200] / times[50] < 8, times
+    # 4x the branches: our lowering takes about 4x the time (loosely: a shared machine) ...
+    assert lowering[200] / lowering[50] < 8, lowering
+    # ... and the whole save, whose torch serializer prints every nested graph with the graphs
+    # below it (n log n for the balanced tree: ~5.4x here), stays far from the square's 16x.
+    assert saving[200] / saving[50] < 12, saving
 
 
 def test_wide_switch_from_cond_to_switch_round_trips(tmp_path):

@@ -43,17 +43,12 @@ from branchyard.fx.mutation import nothing_written_between
 from branchyard.lowering.cuda_graph.handlers import HANDLERS, TensorMeta, handler_for, is_switch_node
 from branchyard.lowering.cuda_graph.patterns import (
     COMPARISONS,
-    INDEX_STEPS,
-    ROUTER_STEPS,
     IndexProgram,
     RouterLogits,
     RowMean,
-    feeds_only_switch_index,
     match_comparison,
-    match_index_step,
-    match_router_step,
-    router_feeds_switch,
     out_form,
+    set_kernel_step,
 )
 
 __all__ = [
@@ -82,14 +77,6 @@ RNG_FUNCTION_NAMES = frozenset(
 #: Tensor methods that draw random numbers.
 RNG_METHOD_NAMES = frozenset(
     "uniform_ normal_ bernoulli bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_".split()
-)
-
-
-#: Nodes a switch's set kernel may compute instead of torch: (their FX targets, whether a node
-#: feeds only switch indices that way, its deferred value or None when the kernel cannot).
-_SET_KERNEL_STEPS = (
-    (INDEX_STEPS, feeds_only_switch_index, match_index_step),   # argmax, clamp, remainder
-    (ROUTER_STEPS, router_feeds_switch, match_router_step),     # a router's mean and matmul
 )
 
 
@@ -276,13 +263,13 @@ class ControlFlowInterpreter(torch.fx.Interpreter):
                     self.ctx.keepalive.append(deferred)
                     return deferred
         if self.ctx.phase is Phase.CAPTURE and n.op == "call_function":
-            for steps, feeds_switch, match in _SET_KERNEL_STEPS:
-                if _in(n.target, steps) and feeds_switch(n, is_switch_node):
-                    args, kwargs = self.fetch_args_kwargs_from_env(n)
-                    deferred = match(n.target, args, kwargs)
-                    if deferred is not None:
-                        self.ctx.keepalive.append(deferred)
-                        return deferred
+            step = set_kernel_step(n.target)
+            if step is not None and step[0](n, is_switch_node):
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                deferred = step[1](n.target, args, kwargs)
+                if deferred is not None:
+                    self.ctx.keepalive.append(deferred)
+                    return deferred
             if not is_switch_node(n):
                 self._materialize_index_programs(n)
         try:

@@ -71,6 +71,8 @@ __all__ = [
     "RouterLogits",
     "RowMean",
     "router_feeds_switch",
+    "SET_KERNEL_STEPS",
+    "set_kernel_step",
     "index_chain",
     "evaluate_index_chain",
     "match_router_step",
@@ -496,6 +498,23 @@ def feeds_only_switch_index(node: Any, is_switch: Callable[[Any], bool], _source
     return True
 
 
+#: Nodes a switch's set kernel may compute instead of torch: (their FX targets, whether a node
+#: feeds only switch indices that way, its deferred value or None when the kernel cannot).
+SET_KERNEL_STEPS: tuple[tuple[dict, Callable, Callable], ...] = (
+    (INDEX_STEPS, feeds_only_switch_index, match_index_step),   # argmax, clamp, remainder
+    (ROUTER_STEPS, router_feeds_switch, match_router_step),     # a router's mean and matmul
+)
+
+
+def set_kernel_step(target: Any) -> "tuple[Callable, Callable] | None":
+    """``(feeds_switch, match)`` of :data:`SET_KERNEL_STEPS` for an FX target, or None."""
+    if _hashable(target):
+        for steps, feeds_switch, match in SET_KERNEL_STEPS:
+            if target in steps:
+                return feeds_switch, match
+    return None
+
+
 def index_chain(switch: Any) -> "tuple[Any, list[Any]] | None":
     """``(source, chain)`` when the FX ``switch``'s index is computed from ONE graph input
     ``source`` by a ``chain`` of router and index steps (:data:`ROUTER_STEPS`,
@@ -509,7 +528,7 @@ def index_chain(switch: Any) -> "tuple[Any, list[Any]] | None":
         return None
     chain, node = [], switch.args[0]
     while node.op == "call_function":
-        if not (_hashable(node.target) and (node.target in ROUTER_STEPS or node.target in INDEX_STEPS)):
+        if set_kernel_step(node.target) is None:
             return None
         rest: list[Any] = []
         torch.fx.node.map_arg((node.args[1:], node.kwargs), rest.append)
@@ -534,7 +553,7 @@ def evaluate_index_chain(chain: list[Any], env: dict[Any, Any]) -> "IndexProgram
     value: Any = None
     for node in chain:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
-        match = match_router_step if node.target in ROUTER_STEPS else match_index_step
+        _, match = set_kernel_step(node.target)
         value = match(node.target, args, kwargs)
         if value is None:
             return None

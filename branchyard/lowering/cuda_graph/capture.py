@@ -140,10 +140,9 @@ class LoweringContext:
     sites: list[tuple[str, str, int]] = field(default_factory=list)
     #: VALIDATE: the fake mode the program runs under (its parameters and buffers are faked too)
     fake_mode: Any = None
-    #: CAPTURE: switch node -> (handle, index program) a loop sets before and after each trip
+    #: CAPTURE: switch node -> (handle, index program) a loop sets before and after each trip,
+    #: while the loop's body is captured; the switch removes its entry when it takes the handle
     preset_switches: dict[Node, tuple[Any, Any]] = field(default_factory=dict)
-    #: CAPTURE: the switches of ``preset_switches`` that used their preset handle
-    preset_used: set[Node] = field(default_factory=set)
 
 
 class ControlFlowInterpreter(torch.fx.Interpreter):

@@ -46,7 +46,7 @@ same handler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -216,22 +216,19 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
     if counter_carry is not None:  # the body's `i + k` becomes the step kernel's `i += k`
         k, node, by, read_by_predicate = counter_carry
         skip, increment = {node: bufs[k]}, (bufs[k], by)
-    rotated = _next_trip_router(interp, body_fn, bufs, additional)
-    if rotated is not None:  # trip 0's switch index, set before the loop
-        switch_node, carry, program, n = rotated
-        rotated = (switch_node, carry, program, n, b.new_handle())
-        b.set_from_program(rotated[4], program, n)  # what the switch's own set kernel would have run
-        ctx.preset_switches[switch_node] = (rotated[4], program)
+    router = _next_trip_router(interp, body_fn, bufs, additional)
+    if router is not None:  # trip 0's switch index, set before the loop
+        switch_node, carry, program, n = router
+        h_switch = b.new_handle()
+        b.set_from_program(h_switch, program, n)  # what the switch's own set kernel would have run
+        ctx.preset_switches[switch_node] = (h_switch, program)
     (body,) = b.add_node(CondKind.WHILE, handle, 1)
     with b.capture_into(body):
         try:
             outs = list(interp.subgraph(body_fn, (*bufs, *additional), "body_fn", substitute=skip))
         finally:
-            used = False
-            if rotated is not None:
-                ctx.preset_switches.pop(rotated[0], None)
-                used = rotated[0] in ctx.preset_used
-                ctx.preset_used.discard(rotated[0])
+            # the switch takes its preset when it uses it (_switch_capture): still here, unused
+            used = router is not None and ctx.preset_switches.pop(switch_node, None) is None
         # A carry returned unchanged needs no write-back. Anything else that shares memory with a
         # carry buffer (a swap, a transpose of itself) is read into a fresh tensor before any write.
         unchanged = [_same_view(o, buf) for o, buf in zip(outs, bufs)]
@@ -253,11 +250,10 @@ def _while_capture(interp: "ControlFlowInterpreter", node: Any, cond_fn, body_fn
             # The switch read the handle set before the loop; the step sets it for the next trip,
             # reading the new carry where it was made (a contiguous copy source), else a kernel
             # after the step reads the carry buffer.
-            switch_node, carry, program, n, h = rotated
             if outs[carry].is_contiguous():
-                next_index = (h, with_router_input(program, outs[carry]), n)
+                next_index = (h_switch, with_router_input(program, outs[carry]), n)
             else:
-                after = (h, program, n)
+                after = (h_switch, program, n)
         b.set_predicate((handle,), pred, counter=counter, copies=copies, increment=increment, next_index=next_index)
         if after is not None:
             b.set_from_program(*after)
@@ -310,11 +306,11 @@ def _next_trip_router(interp: "ControlFlowInterpreter", body_fn: Any, bufs: list
 
 def with_router_input(program: IndexProgram, x: torch.Tensor) -> IndexProgram:
     """``program`` (a router's) with ``x`` in place of the router's input."""
-    from branchyard.lowering.cuda_graph.patterns import RouterLogits, RowMean
+    from branchyard.lowering.cuda_graph.patterns import RowMean
 
     r = program.source
-    a = RowMean(x, r.a.keepdim) if isinstance(r.a, RowMean) else x
-    return IndexProgram(RouterLogits(a, r.w, r.target, r.shape), program.argmax, program.steps)
+    a = replace(r.a, x=x) if isinstance(r.a, RowMean) else x
+    return replace(program, source=replace(r, a=a))
 
 
 def same_index_program(a: Any, b: IndexProgram) -> bool:
@@ -493,7 +489,7 @@ def _switch_capture(interp: "ControlFlowInterpreter", node: Any, index, branches
     outs = _output_buffers(interp, node)
     preset = ctx.preset_switches.get(node)
     if preset is not None and same_index_program(index, preset[1]):
-        ctx.preset_used.add(node)  # set before the loop and by each trip's step (_next_trip_router)
+        del ctx.preset_switches[node]  # taken: set before the loop and by each trip's step (_next_trip_router)
         return _fill_switch(interp, b, preset[0], branches, operands, outs)
     # A preset handle the index turned out not to match is set here like a new one: a handle
     # must belong to a conditional node, and this set kernel overrides the loop's.

@@ -753,7 +753,7 @@ class ConditionalBuilder:
         if next_index is not None:
             r_args, r_types = self._router_args(*next_index)
             self._launch("branchyard_step_router", args + r_args, types + r_types,
-                         grid=self._copy_blocks(dense) + 1, block=ROUTER_THREADS)
+                         grid=self._copy_blocks(dense, ROUTER_THREADS) + 1, block=ROUTER_THREADS)
         else:
             self._launch("branchyard_step", args, types, grid=self._copy_blocks(dense), block=256 if dense else 1)
         self._keepalive.append((pred, dense, counter, increment, next_index))
@@ -875,9 +875,9 @@ class ConditionalBuilder:
         return (*flat, *([0, 0, 0] * (4 - len(chunk))))
 
     @staticmethod
-    def _copy_blocks(chunk: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    def _copy_blocks(chunk: list[tuple[torch.Tensor, torch.Tensor]], threads: int = 256) -> int:
         largest = max((dst.numel() * dst.element_size() for dst, _ in chunk), default=0)
-        return max(1, min(1024, (largest // 16 + 255) // 256))  # one 16-byte vector per thread
+        return max(1, min(1024, (largest // 16 + threads - 1) // threads))  # one 16-byte vector per thread
 
     def add_node(self, kind: CondKind, handle: Any, size: int) -> list[Any]:
         """Append a conditional node after everything captured so far; return its body graphs."""

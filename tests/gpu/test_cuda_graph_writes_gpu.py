@@ -18,23 +18,9 @@ from branchyard._compat import HAS_SWITCH
 from branchyard.lowering.cuda_graph.inductor_regions import fuse_regions
 
 from cuda_graph_gpu_support import DEV, export, lower, no_host_sync
+from running_stats_models import GatedByRunningMean
 
 pytestmark = pytest.mark.gpu
-
-
-class _GatedByRunningMean(torch.nn.Module):
-    """``cond(rm[-1] > 0.5, ...)`` on the statistics a train-mode batch norm then updates:
-    eager takes the false branch on the first call (0 > 0.5), the true one after (5 > 0.5)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("rm", torch.zeros(3))
-        self.register_buffer("rv", torch.ones(3))
-
-    def forward(self, data, x):
-        p = self.rm[-1] > 0.5
-        h = F.batch_norm(data, self.rm, self.rv, training=True)
-        return torch.cond(p, lambda t: t + 1, lambda t: t - 1, (x + h.mean(),))
 
 
 class _RoutedByRunningMean(torch.nn.Module):
@@ -87,7 +73,7 @@ def _check_calls(module, *, inductor=False, calls=4):
 
 @pytest.mark.parametrize("inductor", [False, True])
 def test_a_predicate_on_running_statistics_is_read_before_their_update(inductor):
-    _check_calls(_GatedByRunningMean(), inductor=inductor)
+    _check_calls(GatedByRunningMean(), inductor=inductor)
 
 
 @pytest.mark.skipif(not HAS_SWITCH, reason="torch.ops.higher_order.switch needs torch >= 2.14")

@@ -175,22 +175,11 @@ def test_a_view_read_outside_a_region_that_writes_is_not_moved_past_the_write():
     after the region's update of ``rm`` -- eager compares 0 first, then 5 on the next call."""
     import copy
 
-    import torch.nn.functional as F
-
-    class Gated(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("rm", torch.zeros(3))
-            self.register_buffer("rv", torch.ones(3))
-
-        def forward(self, data, x):
-            p = self.rm[-1] > 0.5
-            h = F.batch_norm(data, self.rm, self.rv, training=True)
-            return torch.cond(p, lambda t: t + 1, lambda t: t - 1, (x + h.mean(),))
+    from running_stats_models import GatedByRunningMean
 
     data = torch.zeros(8, 3)
     data[:, -1] = 50.0
-    model = Gated()
+    model = GatedByRunningMean()
     reference = copy.deepcopy(model)
     gm = torch.export.export(model, (data, torch.ones(4))).module()
     fuse_regions(gm)

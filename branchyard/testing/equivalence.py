@@ -433,6 +433,9 @@ def _search_order(choices: list[list[_Variant]], limit: int, rng: random.Random)
 # comparison
 # ---------------------------------------------------------------------------
 
+#: Input sets kept per control site as starting points of the guided search.
+_SEEDS_PER_SITE = 4
+
 
 def _first_difference(expected: list, actual: list, rtol: float, atol: float) -> str | None:
     if len(expected) != len(actual):
@@ -564,7 +567,9 @@ def assert_equivalent(
     ``max_input_sets`` caps the first round of driven combinations (beyond
     it they are sampled, every value of every control input still used);
     while a branch stays undriven, up to ``max_search`` further combinations
-    (scaled copies included) are tried until it is reached.
+    (scaled copies included) are tried until it is reached: first input sets
+    that already reach the branch's cond or switch, with only the inputs its
+    decision reads varied, then random ones.
 
     Raises :class:`~branchyard.errors.EquivalenceError` on the first
     disagreement, naming the inputs, the path each program took and the first
@@ -633,6 +638,7 @@ def assert_equivalent(
         ref_path = path_b if ref is progs["before"] else path_a
         if ref_path is not None:
             covered.update(_covered_labels(ref_path))
+        last_path[0] = ref_path
         problem = _first_difference(pytree.tree_leaves(expected), pytree.tree_leaves(actual), rtol, atol)
         if problem is not None:
             err = EquivalenceError(
@@ -647,19 +653,57 @@ def assert_equivalent(
         leaves = list(flat)
         for i, v in zip(order, combo):
             leaves[i] = v.value
+        last_path[0] = None
         compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo))))
+        for site in {site for site, _ in _covered_labels(last_path[0] or ())}:
+            seeds = reached.setdefault(site, [])
+            if len(seeds) < _SEEDS_PER_SITE:
+                seeds.append(combo)
+
+    def guided(budget: int) -> int:
+        """Drive each undriven branch from inputs that already reach its site:
+        keep such an input set and vary only the inputs its decision reads.
+        Returns the combinations run."""
+        ran, progress = 0, True
+        while progress and required - covered and ran < budget:
+            progress = False
+            for site, label in sorted(required - covered):
+                if (site, label) in covered or site not in reached:
+                    continue
+                slots = [order.index(i) for i in sorted(by_site[site].inputs) if i in control]
+                for base in list(reached[site]):
+                    for values in itertools.product(*(full[k] for k in slots)):
+                        combo = list(base)
+                        for k, v in zip(slots, values):
+                            combo[k] = v
+                        if tuple(v.label for v in combo) in done:
+                            continue
+                        before_covered = len(covered)
+                        run_combo(tuple(combo))
+                        ran += 1
+                        progress |= len(covered) > before_covered
+                        if (site, label) in covered or ran >= budget:
+                            break
+                    if (site, label) in covered or ran >= budget:
+                        break
+        return ran
 
     done: set[tuple[str, ...]] = set()
+    last_path: list[Path | None] = [None]
+    reached: dict[str, list[tuple[_Variant, ...]]] = {}
+    by_site = {s.site: s for s in sites}
+    full = [core + ext for core, ext in core_ext]
     if order:
         # Round 1: every combination of the core values (a covering sample
         # when there are too many).
         for combo in _combinations([core for core, _ in core_ext], max_input_sets, rng, done):
             run_combo(combo)
-        # Round 2, only while some branch is still undriven: walk all
-        # combinations of core and extended values until it is reached.
+        # Round 2, only while some branch is still undriven: first from the
+        # input sets that reach its site, varying what its decision reads;
+        # then random combinations of core and extended values.
+        spent = guided(max_search // 2) if required - covered else 0
         if required - covered:
-            full = [core + ext for core, ext in core_ext]
-            for combo in _search_order(full, max_search, rng):
+            for combo in _search_order(full, max_search - spent, rng):
                 if not required - covered:
                     break
                 if tuple(v.label for v in combo) not in done:

@@ -315,7 +315,6 @@ def test_round_trip_property_on_random_switch_programs(tmp_path):
     """Random torch switches (2-6 branches, half with a nested switch, random
     captures and shapes): the restore is node-for-node identical and both
     the restored and the plain-loaded program agree on every index."""
-    hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, given, settings
 
     from branchyard.testing import assert_equivalent

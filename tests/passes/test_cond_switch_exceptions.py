@@ -326,7 +326,6 @@ def test_raise_reason_by_dtype_and_constant(fn, args, safe):
 
 # --------------------------------------------------------------------------- property test
 
-hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 #: Predicates over (x: f32[3], i: i64[], d: i64[], table: f32[5, 3]). The

@@ -395,7 +395,6 @@ def test_marker_file_tampering(five):
 def test_fuzzed_tags_and_meta_give_an_error_or_the_same_program(five):
     """Random edits of the tag, the marker file and the node meta: every load
     is a SerializationError or a program equal to the original on every index."""
-    hypothesis = pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

@@ -332,7 +332,7 @@ def test_bad_arguments():
 
 # --- the checker's power on random programs ----------------------------------------
 
-hypothesis = pytest.importorskip("hypothesis")
+import hypothesis  # noqa: E402  (a test dependency: missing, it fails here rather than skipping this file)
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from branchyard.testing.strategies import cond_tree_specs  # noqa: E402

@@ -57,7 +57,7 @@ import operator
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -433,8 +433,8 @@ def _search_order(choices: list[list[_Variant]], limit: int, rng: random.Random)
 # comparison
 # ---------------------------------------------------------------------------
 
-#: Input sets kept per control site as starting points of the guided search.
-_SEEDS_PER_SITE = 4
+#: How many of a decision's inputs the guided search changes at once, in turn.
+_GUIDED_RADII = (1, 2, 3)
 
 
 def _first_difference(expected: list, actual: list, rtol: float, atol: float) -> str | None:
@@ -568,8 +568,8 @@ def assert_equivalent(
     it they are sampled, every value of every control input still used);
     while a branch stays undriven, up to ``max_search`` further combinations
     (scaled copies included) are tried until it is reached: first input sets
-    that already reach the branch's cond or switch, with only the inputs its
-    decision reads varied, then random ones.
+    that already reach the branch's cond or switch, with one, two, then
+    three of the inputs its decision reads changed, then random ones.
 
     Raises :class:`~branchyard.errors.EquivalenceError` on the first
     disagreement, naming the inputs, the path each program took and the first
@@ -655,42 +655,51 @@ def assert_equivalent(
             leaves[i] = v.value
         last_path[0] = None
         compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo))))
-        for site in {site for site, _ in _covered_labels(last_path[0] or ())}:
-            seeds = reached.setdefault(site, [])
-            if len(seeds) < _SEEDS_PER_SITE:
-                seeds.append(combo)
+        for site, label in _covered_labels(last_path[0] or ()):
+            reached.setdefault(site, {}).setdefault(label, combo)
+
+    def neighbours(base: tuple[_Variant, ...], slots: list[int], radius: int) -> Iterator[tuple[_Variant, ...]]:
+        """``base`` with exactly ``radius`` of ``slots`` changed, every way."""
+        for chosen in itertools.combinations(slots, radius):
+            for values in itertools.product(*(full[k] for k in chosen)):
+                combo = list(base)
+                for k, v in zip(chosen, values):
+                    combo[k] = v
+                yield tuple(combo)
 
     def guided(budget: int) -> int:
-        """Drive each undriven branch from inputs that already reach its site:
-        keep such an input set and vary only the inputs its decision reads.
-        Returns the combinations run."""
-        ran, progress = 0, True
-        while progress and required - covered and ran < budget:
-            progress = False
-            for site, label in sorted(required - covered):
-                if (site, label) in covered or site not in reached:
-                    continue
-                slots = [order.index(i) for i in sorted(by_site[site].inputs) if i in control]
-                for base in list(reached[site]):
-                    for values in itertools.product(*(full[k] for k in slots)):
-                        combo = list(base)
-                        for k, v in zip(slots, values):
-                            combo[k] = v
-                        if tuple(v.label for v in combo) in done:
-                            continue
-                        before_covered = len(covered)
-                        run_combo(tuple(combo))
-                        ran += 1
-                        progress |= len(covered) > before_covered
+        """Drive each undriven branch from input sets that already reach its
+        site (one per branch taken there): change one of the inputs its
+        decision reads, every way, then two, then three. Returns the
+        combinations run."""
+        ran = 0
+        for radius in _GUIDED_RADII:
+            progress = True
+            while progress and required - covered and ran < budget:
+                progress = False
+                for site, label in sorted(required - covered):
+                    if (site, label) in covered or site not in reached:
+                        continue
+                    slots = [order.index(i) for i in sorted(by_site[site].inputs) if i in control]
+                    if radius > len(slots):
+                        continue
+                    for base in list(reached[site].values()):
+                        for combo in neighbours(base, slots, radius):
+                            if tuple(v.label for v in combo) in done:
+                                continue
+                            before_covered = len(covered)
+                            run_combo(combo)
+                            ran += 1
+                            progress |= len(covered) > before_covered
+                            if (site, label) in covered or ran >= budget:
+                                break
                         if (site, label) in covered or ran >= budget:
                             break
-                    if (site, label) in covered or ran >= budget:
-                        break
         return ran
 
     done: set[tuple[str, ...]] = set()
     last_path: list[Path | None] = [None]
-    reached: dict[str, list[tuple[_Variant, ...]]] = {}
+    reached: dict[str, dict[str, tuple[_Variant, ...]]] = {}  # site -> branch -> an input set taking it
     by_site = {s.site: s for s in sites}
     full = [core + ext for core, ext in core_ext]
     if order:

@@ -88,11 +88,42 @@ def _alike_leaves() -> CondTreeSpec:
     return CondTreeSpec(Cond(Pred("flag", 0), Cond(Pred("flag", 1), leaf, leaf, -2.0), leaf, -2.0), (1,), 1)
 
 
+def _deep_computed_branch() -> CondTreeSpec:
+    """A branch five decisions deep behind two computed predicates: compared
+    with switch_to_cond's tree, whose decisions dilute a random search, it was
+    never driven until the search started from inputs reaching its cond."""
+    inner = Cond(Pred("flag", 1), Leaf(-0.5, 1.5, ("outer",)),
+                 Cond(Pred("computed", 0, -1.0), Leaf(-2.0, 1.5, ()), Leaf(-2.0, 3.0, ()), 1.0), 1.5)
+    other = Cond(Pred("flag", 1), Cond(Pred("computed", 0), Leaf(-1.0, 1.5, ()), Leaf(1.0, -0.5, ()), 3.0),
+                 Leaf(-1.0, 1.0, ("buffer",)), -0.5)
+    tree = Cond(Pred("flag", 2), Cond(Pred("computed", 1, -1.0), inner, other, 3.0), Leaf(-0.5, 3.0, ("shared",)), -2.0)
+    tree = Cond(Pred("idx_eq", 1), tree, Cond(Pred("idx_eq", 2), Leaf(-1.0, 1.0, ()),
+                                              Leaf(1.5, 3.0, ("private", "buffer", "outer")), -1.0), 0.5)
+    return CondTreeSpec(Cond(Pred("flag", 0), tree, Leaf(-1.0, -1.0, ("private",)), 3.0), (1,), 2)
+
+
+def _rare_switch_index() -> CondTreeSpec:
+    """A switch index taken by one combination of six decisions: reached by
+    changing two or three inputs of an input set that takes another index."""
+    def flag0(on_true, on_false, mix):
+        return Cond(Pred("flag", 0), on_true, on_false, mix)
+
+    low = flag0(Leaf(-2.0, 3.0, ()), Cond(Pred("computed", 0), Leaf(1.0, 1.5, ("private", "buffer", "shared")),
+                                          Leaf(-1.0, -1.0, ()), 3.0), -1.0)
+    high = Cond(Pred("computed", 0, -1.0), flag0(Leaf(-1.0, 1.5, ()), Leaf(3.0, 1.5, ("private", "shared", "outer")), -0.5),
+                flag0(Leaf(3.0, 1.5, ()), Leaf(3.0, 0.5, ()), -2.0), 3.0)
+    tree = Cond(Pred("flag", 1), Leaf(-1.0, -1.0, ()), Cond(Pred("computed", 1), low, high, 3.0), 1.0)
+    tree = Cond(Pred("flag", 2), tree, Leaf(-0.5, 1.0, ("private", "buffer", "outer")), -2.0)
+    return CondTreeSpec(Cond(Pred("idx_eq", 1), tree, Leaf(1.0, 0.5, ()), -2.0), (2,), 2)
+
+
 @PROPERTY
 @given(spec=cond_tree_specs(max_depth=6, max_conds=8))
 @example(spec=_dispatch_chain(4))
 @example(spec=_mixed_depth6())
 @example(spec=_alike_leaves())
+@example(spec=_deep_computed_branch())
+@example(spec=_rare_switch_index())
 def test_cond_switch_rewrites_preserve_every_path(spec: CondTreeSpec) -> None:
     ep, args = spec.export()
     # The generator's own contract: export matches the Python-if reference

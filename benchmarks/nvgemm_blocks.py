@@ -20,7 +20,9 @@ at M (tokens) in {1, 16, 64, 512, 2048, 8192}.
 
 Columns (microseconds per call, median of ``--repeats`` blocks of ``--iters``
 calls between CUDA events, no L2 flush: a model calls its blocks back to back;
-the columns' blocks alternate, so host noise hits all of them alike):
+the columns' blocks alternate, so host noise hits all of them alike; with
+``--cold-l2`` each graph replay follows an L2 flush and is timed alone, as
+in a model whose weights do not fit the L2, and as the tuner times):
 
 * ``module``     the eager ``nn.Module``
 * ``unrewritten``  ``torch.export.export(block).module()``
@@ -145,36 +147,59 @@ def _check(name: str, got, want, dtype: torch.dtype) -> None:
             raise AssertionError(f"{name}: output off the eager block by {err:.3g} (relative to its max)")
 
 
-def _timer(device: torch.device, iters: int, repeats: int) -> Callable[[dict[str, Callable[[], object]]], dict[str, float]]:
+def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict[str, float]]:
     """Time several callables side by side: each repeat runs a block of ``iters``
     calls of every one in turn, so all see the same host and GPU conditions;
-    the result is each one's median over the repeats (microseconds per call)."""
-    def block_us(fn) -> float:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) * 1e3 / iters
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e6 / iters
+    the result is each one's median over the repeats (microseconds per call).
 
-    def time_us(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
+    ``time_us(fns, flush=f)`` calls ``f`` before every call and times each
+    call alone, so the flush is not counted (``--cold-l2``)."""
+    def block_us(fn, flush) -> float:
+        if device.type == "cuda":
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(iters if flush else 1)]
+            if flush is None:
+                events[0][0].record()
+                for _ in range(iters):
+                    fn()
+                events[0][1].record()
+            else:
+                for start, end in events:
+                    flush()
+                    start.record()
+                    fn()
+                    end.record()
+            torch.cuda.synchronize()
+            return sum(start.elapsed_time(end) for start, end in events) * 1e3 / iters
+        total = 0.0
+        for _ in range(iters if flush else 1):
+            if flush is not None:
+                flush()
+            t0 = time.perf_counter()
+            for _ in range(1 if flush else iters):
+                fn()
+            total += time.perf_counter() - t0
+        return total * 1e6 / iters
+
+    def time_us(fns: dict[str, Callable[[], object]], flush: Callable[[], object] | None = None) -> dict[str, float]:
         samples: dict[str, list[float]] = {name: [] for name in fns}
         for _ in range(repeats):
             for name, fn in fns.items():
-                samples[name].append(block_us(fn))
+                samples[name].append(block_us(fn, flush))
         return {name: statistics.median(v) for name, v in samples.items()}
 
     return time_us
 
 
+def l2_flush(device: torch.device) -> Callable[[], object]:
+    """Overwrite a buffer larger than any GPU's L2 (the H200's is 50 MiB), as a
+    model whose weights exceed the L2 leaves it for the next block."""
+    buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return buffer.zero_
+
+
 def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype, compile_mode: str | None,
-            iters: int, repeats: int) -> dict[str, float | str]:
+            iters: int, repeats: int, cold_l2: bool = False) -> dict[str, float | str]:
     """Every column for one block at one M (None where a column does not apply)."""
     import branchyard.lowering.nvgemm as nvgemm
 
@@ -204,7 +229,7 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
                     _check(f"{spec.name} M={m} {name} (for the graph)", in_graph(), want, dtype)
                     graphs[f"{name}_graph"] = graph_replay(in_graph)
         row.update(time_us(eager))
-        row.update(time_us(graphs))
+        row.update(time_us(graphs, flush=l2_flush(device) if cold_l2 and graphs else None))
     return row
 
 
@@ -252,6 +277,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     parser.add_argument("--no-compile", action="store_true", help="drop the torch.compile column")
+    parser.add_argument("--cold-l2", action="store_true",
+                        help="flush the L2 before each replay of the graph columns (as the tuner times), "
+                             "each replay timed alone; the eager columns are timed as without it")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, float32, toy widths, M in {1, 4}, no torch.compile: checks every column runs "
@@ -280,7 +308,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in names:
         for m in ms:
             rows.append(run_row(table[name], m, device=device, dtype=dtype, compile_mode=compile_mode,
-                                iters=iters, repeats=repeats))
+                                iters=iters, repeats=repeats, cold_l2=args.cold_l2))
             print(report(rows[-1:], markdown=False).splitlines()[0], flush=True)
     print()
     print(report(rows, markdown=args.markdown))

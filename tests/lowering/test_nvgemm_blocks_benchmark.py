@@ -67,3 +67,25 @@ def test_columns_are_timed_side_by_side(bench):
     result = time_us({"a": lambda: order.append("a"), "b": lambda: order.append("b")})
     assert order == ["a", "a", "b", "b"] * 3  # blocks alternate: a's block, b's block, per repeat
     assert set(result) == {"a", "b"} and all(v >= 0 for v in result.values())
+
+
+def test_a_flush_runs_before_every_call_and_is_not_timed(bench):
+    import time
+
+    import torch
+
+    order: list[str] = []
+
+    def flush():
+        order.append("flush")
+        time.sleep(0.002)
+
+    time_us = bench._timer(torch.device("cpu"), iters=3, repeats=2)
+    result = time_us({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, flush=flush)
+    assert order == (["flush", "a"] * 3 + ["flush", "b"] * 3) * 2
+    assert all(v < 1000 for v in result.values()), result  # 2 ms of flush per call would be 2000 us
+
+
+def test_cold_l2_is_an_option_of_the_run(bench):
+    rows = bench.main(["--dry-run", "--cold-l2", "--blocks", "gpt2_mlp", "--m", "1"])
+    assert [(r["block"], r["m"]) for r in rows] == [("gpt2_mlp", 1)]

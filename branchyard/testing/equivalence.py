@@ -617,13 +617,14 @@ def assert_equivalent(
     skipped: list[str] = []
     runs = 0
 
-    def compare(args: tuple, what: str) -> None:
+    def compare(args: tuple, what: str) -> Path | None:
+        """Run both programs on ``args``; return the path the reference took."""
         nonlocal runs
         try:
             expected, path_b = progs["before"].run(args)
         except Exception as exc:  # before is undefined here (e.g. an index it cannot take)
             skipped.append(f"{what}: {type(exc).__name__}: {exc}")
-            return
+            return None
         runs += 1
         try:
             actual, path_a = progs["after"].run(args)
@@ -638,7 +639,6 @@ def assert_equivalent(
         ref_path = path_b if ref is progs["before"] else path_a
         if ref_path is not None:
             covered.update(_covered_labels(ref_path))
-        last_path[0] = ref_path
         problem = _first_difference(pytree.tree_leaves(expected), pytree.tree_leaves(actual), rtol, atol)
         if problem is not None:
             err = EquivalenceError(
@@ -647,15 +647,15 @@ def assert_equivalent(
             )
             err.path_before, err.path_after, err.difference = path_b, path_a, problem
             raise err
+        return ref_path
 
     def run_combo(combo: tuple[_Variant, ...]) -> None:
         done.add(tuple(v.label for v in combo))
         leaves = list(flat)
         for i, v in zip(order, combo):
             leaves[i] = v.value
-        last_path[0] = None
-        compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo))))
-        for site, label in _covered_labels(last_path[0] or ()):
+        path = compare(tuple(pytree.tree_unflatten(leaves, spec)), _describe(names, dict(zip(order, combo))))
+        for site, label in _covered_labels(path or ()):
             reached.setdefault(site, {}).setdefault(label, combo)
 
     def neighbours(base: tuple[_Variant, ...], slots: list[int], radius: int) -> Iterator[tuple[_Variant, ...]]:
@@ -683,22 +683,18 @@ def assert_equivalent(
                     slots = [order.index(i) for i in sorted(by_site[site].inputs) if i in control]
                     if radius > len(slots):
                         continue
-                    for base in list(reached[site].values()):
-                        for combo in neighbours(base, slots, radius):
-                            if tuple(v.label for v in combo) in done:
-                                continue
-                            before_covered = len(covered)
-                            run_combo(combo)
-                            ran += 1
-                            progress |= len(covered) > before_covered
-                            if (site, label) in covered or ran >= budget:
-                                break
+                    for combo in (c for base in list(reached[site].values()) for c in neighbours(base, slots, radius)):
+                        if tuple(v.label for v in combo) in done:
+                            continue
+                        before_covered = len(covered)
+                        run_combo(combo)
+                        ran += 1
+                        progress |= len(covered) > before_covered
                         if (site, label) in covered or ran >= budget:
                             break
         return ran
 
     done: set[tuple[str, ...]] = set()
-    last_path: list[Path | None] = [None]
     reached: dict[str, dict[str, tuple[_Variant, ...]]] = {}  # site -> branch -> an input set taking it
     by_site = {s.site: s for s in sites}
     full = [core + ext for core, ext in core_ext]

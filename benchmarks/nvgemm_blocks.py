@@ -154,32 +154,27 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict
 
     ``time_us(fns, flush=f)`` calls ``f`` before every call and times each
     call alone, so the flush is not counted (``--cold-l2``)."""
-    def block_us(fn, flush) -> float:
+    def span_us(run: Callable[[], object]) -> float:
+        """Microseconds ``run`` takes: on the GPU between CUDA events, else on the host clock."""
         if device.type == "cuda":
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(iters if flush else 1)]
-            if flush is None:
-                events[0][0].record()
-                for _ in range(iters):
-                    fn()
-                events[0][1].record()
-            else:
-                for start, end in events:
-                    flush()
-                    start.record()
-                    fn()
-                    end.record()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
             torch.cuda.synchronize()
-            return sum(start.elapsed_time(end) for start, end in events) * 1e3 / iters
+            return start.elapsed_time(end) * 1e3
+        t0 = time.perf_counter()
+        run()
+        return (time.perf_counter() - t0) * 1e6
+
+    def block_us(fn, flush) -> float:
+        if flush is None:
+            return span_us(lambda: [fn() for _ in range(iters)]) / iters
         total = 0.0
-        for _ in range(iters if flush else 1):
-            if flush is not None:
-                flush()
-            t0 = time.perf_counter()
-            for _ in range(1 if flush else iters):
-                fn()
-            total += time.perf_counter() - t0
-        return total * 1e6 / iters
+        for _ in range(iters):
+            flush()
+            total += span_us(fn)
+        return total / iters
 
     def time_us(fns: dict[str, Callable[[], object]], flush: Callable[[], object] | None = None) -> dict[str, float]:
         samples: dict[str, list[float]] = {name: [] for name in fns}
@@ -189,13 +184,6 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict
         return {name: statistics.median(v) for name, v in samples.items()}
 
     return time_us
-
-
-def l2_flush(device: torch.device) -> Callable[[], object]:
-    """Overwrite a buffer larger than any GPU's L2 (the H200's is 50 MiB), as a
-    model whose weights exceed the L2 leaves it for the next block."""
-    buffer = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    return buffer.zero_
 
 
 def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype, compile_mode: str | None,
@@ -229,7 +217,7 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
                     _check(f"{spec.name} M={m} {name} (for the graph)", in_graph(), want, dtype)
                     graphs[f"{name}_graph"] = graph_replay(in_graph)
         row.update(time_us(eager))
-        row.update(time_us(graphs, flush=l2_flush(device) if cold_l2 and graphs else None))
+        row.update(time_us(graphs, flush=nvgemm.timing.L2Flush(device) if cold_l2 and graphs else None))
     return row
 
 

@@ -43,6 +43,7 @@ from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.problem import TimingMode
 
 __all__ = [
+    "L2Flush",
     "TIMING_MODES",
     "cuda_event_timer",
     "current_timing_mode",
@@ -79,7 +80,7 @@ def current_timing_mode() -> TimingMode:
     return _MODE.get()
 
 
-class _L2Flush:
+class L2Flush:
     """A buffer larger than any L2 (H200: 50 MiB), zeroed before each timed run,
     so that every run reads its operands from HBM as a call in a model does."""
 
@@ -115,7 +116,7 @@ def cuda_event_timer(
     """
     hold = _hold_gpu if device_only else (lambda seconds: None)
     device = torch.device("cuda", torch.cuda.current_device())
-    flush = _L2Flush(device)
+    flush = L2Flush(device)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -282,7 +283,7 @@ def paired_ratio(
     :func:`cuda_event_timer`.
     """
     device = torch.device("cuda", torch.cuda.current_device())
-    flush = _L2Flush(device)
+    flush = L2Flush(device)
     fns = (first, second)
     for _ in range(warmup):
         first()

@@ -253,9 +253,9 @@ def test_parameter_only_predicate_cannot_be_driven():
 
 
 class Staircase(torch.nn.Module):
-    """cond(x0 > 0.3, cond(x1 > 0.3, ... cond(x7 > 0.3, t + 1, t - 1) ...), each
-    decision reading an input of its own: the deepest true branch needs all
-    eight decisions right at once."""
+    """cond(x0 > 0.3, cond(x1 > 0.3, ... cond(x7 > 0.3, t + 1, t - 7) ..., t - 1), t - 0),
+    each decision reading an input of its own: the deepest true branch needs
+    all eight decisions right at once."""
 
     def forward(self, *xs):
         def step(k, t):

@@ -186,8 +186,9 @@ def _measure_in(checkout: str, calls: int, repeats: int, device: str) -> dict[st
             "device=sys.argv[4])]))")
     here = os.path.dirname(os.path.abspath(__file__))
     checkout = os.path.abspath(checkout)  # also the working directory: ``python -c`` imports from there first
+    path = os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")]))  # first, before the rest (torch's)
     done = subprocess.run([sys.executable, "-c", code, here, str(calls), str(repeats), device], cwd=checkout,
-                          env={**os.environ, "PYTHONPATH": checkout}, capture_output=True, text=True, check=True)
+                          env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, check=True)
     where, got = json.loads(done.stdout.strip().splitlines()[-1])
     if not where.startswith(checkout + os.sep):
         raise RuntimeError(f"the run for {checkout} imported {where}")

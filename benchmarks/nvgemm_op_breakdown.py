@@ -54,14 +54,14 @@ def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:
         call = tuner.call_plans[key]
         op(a, w, ops, spec)  # a second call keeps the plan with a guard
         coarse = op_mod._coarse_key(spec, current_timing_mode(), a, w, ops)
-        assert op_mod._guarded_plan(tuner, coarse, a, w, ops) is call
+        assert op_mod._guarded_entry(tuner, coarse, a, w, ops)[1] is call
         pieces = {
             "aten_noop": lambda: torch.ops.aten.alias.default(a),
             "op": lambda: op(a, w, ops, spec),
             "body": lambda: op_mod._fused_gemm_epilogue(a, w, ops, spec),
             "timing_mode": current_timing_mode,
             "coarse_key": lambda: op_mod._coarse_key(spec, "host", a, w, ops),
-            "guarded_plan": lambda: op_mod._guarded_plan(tuner, coarse, a, w, ops),
+            "guarded_plan": lambda: op_mod._guarded_entry(tuner, coarse, a, w, ops),
             "signature": lambda: op_mod._signature(a, w, ops, spec, "host"),
             "plan_lookup": lambda: tuner.call_plans.get(key),
             "empty_strided": lambda: torch.empty_strided((16, 128), (128, 1), dtype=dtype, device=call.device),

@@ -1,4 +1,4 @@
-"""The fused op's shortcut to a known signature's plan (``op._guarded_plan``):
+"""The fused op's shortcut to a known signature's plan (``op._guarded_entry``):
 a coarse key, then a C++ tensor guard per plan kept under it. What it finds
 must be exactly the plan the full signature finds: calls that share the
 coarse key but differ in strides, dtypes or dispatch state keep their own
@@ -51,14 +51,14 @@ def tuner(monkeypatch, tmp_path):
 def _found_plans(monkeypatch) -> list:
     """Record, per call, what the shortcut returned and the signature it was asked for."""
     found = []
-    real = op_mod._guarded_plan
+    real = op_mod._guarded_entry
 
     def spy(tuner, coarse, a, b, operands):
-        call = real(tuner, coarse, a, b, operands)
-        found.append((call, op_mod._signature(a, b, operands, coarse[0], coarse[1])))
-        return call
+        entry = real(tuner, coarse, a, b, operands)
+        found.append((entry and entry[1], op_mod._signature(a, b, operands, coarse[0], coarse[1])))
+        return entry
 
-    monkeypatch.setattr(op_mod, "_guarded_plan", spy)
+    monkeypatch.setattr(op_mod, "_guarded_entry", spy)
     return found
 
 
@@ -95,7 +95,7 @@ def test_calls_sharing_a_coarse_key_keep_their_own_plans(tuner, monkeypatch):
     plans = tuner.call_plans
     assert len(plans) == len(variants), "one plan per signature"
     (entries,) = tuner.guarded_plans.values()
-    assert len(entries) == len(variants) and len({id(call) for _, call in entries}) == len(variants)
+    assert len(entries) == len(variants) and len({id(entry[1]) for entry in entries}) == len(variants)
     hits = [(call, sig) for call, sig in found if call is not None]
     assert len(hits) == len(variants), "the third round finds every plan through its guard"
     for call, sig in hits:
@@ -119,7 +119,7 @@ def test_each_dispatch_state_keeps_a_guard_of_the_one_plan(tuner, monkeypatch):
             torch.testing.assert_close(FUSED(a, w, ops, TEXT), _want(a, w, ops))
     (call,) = tuner.call_plans.values()
     (entries,) = tuner.guarded_plans.values()
-    assert 1 <= len(entries) <= 3 and all(c is call for _, c in entries)
+    assert 1 <= len(entries) <= 3 and all(entry[1] is call for entry in entries)
     assert [c for c, _ in found[-3:]] == [call] * 3, "every state finds the plan through a guard"
 
 
@@ -285,5 +285,5 @@ def test_threads_on_signatures_of_one_coarse_key_get_their_own_results(tuner):
         with torch.no_grad():
             FUSED(a, w, ops, TEXT)
             FUSED(a, w, ops, TEXT)
-        call = op_mod._guarded_plan(tuner, op_mod._coarse_key(TEXT, "host", a, w, ops), a, w, ops)
+        call = op_mod._guarded_entry(tuner, op_mod._coarse_key(TEXT, "host", a, w, ops), a, w, ops)[1]
         assert call is tuner.call_plans[op_mod._signature(a, w, ops, TEXT, "host")]

@@ -292,7 +292,7 @@ _GUARDED_PER_KEY = 8
 
 
 def _coarse_key(spec: str, mode: str, a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor]) -> tuple:
-    """Where :func:`_guarded_plan` looks: the spec, the mode, the operand count (a
+    """Where :func:`_guarded_entry` looks: the spec, the mode, the operand count (a
     guard takes that many tensors), the input's device index (one replica per GPU)
     and the two shapes that tell a model's matmuls apart (M, N, K)."""
     return (spec, mode, len(operands), a.get_device(), a.shape, b.shape)
@@ -311,25 +311,32 @@ def _guard(tensors: tuple[torch.Tensor, ...]) -> object | None:
         return None
 
 
-def _guarded_plan(tuner: Autotuner, coarse: tuple, a, b, operands) -> CallPlan | None:
-    """The plan of a signature met before, found without its key: each plan kept
-    under ``coarse`` whose guard the tensors pass (:func:`_keep_guarded`)."""
-    for guard, call in tuner.guarded_plans.get(coarse, ()):
-        if guard.check(a, b, *operands):
-            return call
+def _guarded_entry(tuner: Autotuner, coarse: tuple, a, b, operands) -> list | None:
+    """The ``[guard, plan, direct, grad]`` entry of a signature met before, found
+    without its key: the first one kept under ``coarse`` whose guard the tensors
+    pass (:func:`_keep_guarded`)."""
+    for entry in tuner.guarded_plans.get(coarse, ()):
+        if entry[0].check(a, b, *operands):
+            return entry
     return None
 
 
-def _keep_guarded(tuner: Autotuner, coarse: tuple, a, b, operands, call: CallPlan) -> None:
+def _keep_guarded(tuner: Autotuner, coarse: tuple, a, b, operands, call: CallPlan, direct: bool) -> None:
     """Keep ``call`` (found in ``tuner.call_plans`` for these tensors' signature) under
-    ``coarse`` with a guard of the tensors, newest first."""
+    ``coarse`` with a guard of the tensors, newest first, as ``[guard, call, direct,
+    grad]``. ``direct``: this call came straight from the op's Autograd kernel, so
+    every call passing the guard would (the guard pins each tensor's dispatch keys
+    under the thread's dispatch state) while it needs no gradient; ``grad``: a
+    tensor requires grad (pinned too), so it needs one where grad mode is on. Such
+    calls may skip the dispatcher (:func:`_bypass_plan`)."""
     guard = _guard((a, b, *operands))
     if guard is None:
         return
     plans = tuner.guarded_plans
     if len(plans) >= _PLANS_LIMIT:
         plans.clear()
-    plans[coarse] = ((guard, call), *plans.get(coarse, ())[:_GUARDED_PER_KEY - 1])
+    entry = [guard, call, direct, _needs_grad(a, b, operands)]
+    plans[coarse] = (entry, *plans.get(coarse, ())[:_GUARDED_PER_KEY - 1])
 
 
 def _as_2d(plan: _SpecPlan, call: CallPlan, a, b, operands):
@@ -489,7 +496,8 @@ def _weight_t(call: CallPlan, b: torch.Tensor, b_ptr: int) -> torch.Tensor:
 
 
 def _fused_gemm_epilogue(
-    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], spec: str, out: torch.Tensor | None = None,
+    direct: bool = False,
 ) -> torch.Tensor:
     """The kernel of both overloads on every backend (see the module docstring
     for semantics): ``out=None`` is the functional op, else the ``out=`` one.
@@ -504,12 +512,16 @@ def _fused_gemm_epilogue(
     mode = current_timing_mode()
     tuner = tuner_mod._default or tuner_mod.get_autotuner()
     coarse = _coarse_key(spec, mode, a, b, operands)
-    call = _guarded_plan(tuner, coarse, a, b, operands)
-    if call is None:
+    entry = _guarded_entry(tuner, coarse, a, b, operands)
+    if entry is not None:
+        call = entry[1]
+        if direct and not entry[2]:  # kept by another path (the kernel called as a function)
+            entry[2] = True
+    else:
         key = _signature(a, b, operands, spec, mode)
         call = tuner.call_plans.get(key)
         if call is not None:
-            _keep_guarded(tuner, coarse, a, b, operands, call)
+            _keep_guarded(tuner, coarse, a, b, operands, call, direct)
         else:
             call = _first_sight(a, b, operands, spec, mode, key, tuner)
             if call is None:
@@ -517,6 +529,12 @@ def _fused_gemm_epilogue(
                 if out is not None:
                     _check_out(out, (*a.shape[:-1], _dims(a, b, s)[1]), s.out_dtype, a.device)
                 return _unfused(a, b, operands, s, out)
+    return _run_plan(call, a, b, operands, out)
+
+
+def _run_plan(call: CallPlan, a, b, operands, out: torch.Tensor | None) -> torch.Tensor:
+    """What a call does once it has its plan: the unfused path with the plan's
+    reason, or the views, the alignment check, the output and the launch."""
     fits = out is not None and call.out_guard is not None and call.out_guard.check(out)
     if out is not None and not fits:
         _check_out(out, call.out_shape, call.out_dtype, call.device)
@@ -742,7 +760,7 @@ def _autograd_kernel(keyset, a, b, operands, spec, out=None):
     if direct is None:
         direct = _DIRECT[raw] = (keyset & _AFTER_AUTOGRAD).highestPriorityTypeId() in _DIRECT_BACKENDS
     if direct:
-        return _fused_gemm_epilogue(a, b, operands, spec, out)  # what the redispatch would reach, one trip fewer
+        return _fused_gemm_epilogue(a, b, operands, spec, out, True)  # what the redispatch would reach, one trip fewer
     with torch._C._AutoDispatchBelowAutograd():
         if out is None:
             return fused_gemm_epilogue.redispatch(keyset & _AFTER_AUTOGRAD, a, b, operands, spec)
@@ -751,3 +769,55 @@ def _autograd_kernel(keyset, a, b, operands, spec, out=None):
 
 for _name in ("fused_gemm_epilogue", "fused_gemm_epilogue.out"):
     _LIB.impl(_name, _autograd_kernel, "Autograd", with_keyset=True)
+
+
+# --- the dispatcher bypass ---------------------------------------------------------
+#
+# A tuned call's trip through the dispatcher into the Python Autograd kernel
+# costs more host time than the op's own work. The functional overload's entry
+# (the callable ``OpOverload.__call__`` runs, as torch's own PyObject dispatch
+# swaps it) first tries the plan a guard kept for a direct call: the guard pins
+# each tensor's type, sizes, strides, dtype, device, ``requires_grad`` and
+# dispatch keys under the thread's dispatch state, so such a call would reach
+# this module's kernel with nothing in between. What a guard does not see is
+# checked before: a torch-function mode, a dispatch mode (the guard leaves out
+# the Python keys that a fake or proxy mode turns on), the profiler (which
+# records the op), the Python dispatcher. Anything else -- keywords, other
+# argument types, a signature not kept yet -- takes the dispatcher.
+
+#: The dispatcher's entry for the functional overload (what the bypass falls back to).
+_DISPATCH = fused_gemm_epilogue._op
+_PYTHON_DISPATCHER = torch._C.DispatchKey.PythonDispatcher
+_PYTHON = torch._C.DispatchKey.Python
+_tls_includes = torch._C._dispatch_tls_is_dispatch_key_included
+_torch_function_mode = torch._C._is_torch_function_mode_enabled
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _bypass_plan(a, b, operands, spec) -> CallPlan | None:
+    """The plan a call may run without the dispatcher, else ``None``."""
+    tuner = tuner_mod._default
+    if tuner is None:
+        return None
+    try:
+        entry = _guarded_entry(tuner, _coarse_key(spec, current_timing_mode(), a, b, operands), a, b, operands)
+    except (AttributeError, TypeError):  # not the schema's argument types: the dispatcher says what is wrong
+        return None
+    if entry is None or not entry[2] or (entry[3] and torch._C.is_grad_enabled()):
+        return None
+    return entry[1]
+
+
+def _bypass_call(*args, **kwargs):
+    """``fused_gemm_epilogue(a, b, operands, spec)``: the kept plan's run where
+    :func:`_bypass_plan` finds one, else the dispatcher."""
+    if len(args) == 4 and not kwargs and not (_torch_function_mode() or _tls_includes(_PYTHON) or _profiling()
+                                              or _tls_includes(_PYTHON_DISPATCHER)):
+        call = _bypass_plan(*args)
+        if call is not None:
+            return _run_plan(call, args[0], args[1], args[2], None)
+    return _DISPATCH(*args, **kwargs)
+
+
+if _TensorGuards is not None:
+    fused_gemm_epilogue._op = _bypass_call

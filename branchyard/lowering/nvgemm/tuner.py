@@ -203,7 +203,7 @@ class Autotuner:
         #: The fused op's decision per call signature (``op.CallPlan``), made on a
         #: signature's first call; a re-tune (:meth:`tune`) clears it.
         self.call_plans: dict[tuple, Any] = {}
-        #: The op's shortcut to ``call_plans`` (``op._guarded_plan``): per coarse key,
+        #: The op's shortcut to ``call_plans`` (``op._guarded_entry``): per coarse key,
         #: plans found there, each with a C++ guard of its signature; cleared with it.
         self.guarded_plans: dict[tuple, tuple] = {}
         self._lock = threading.RLock()

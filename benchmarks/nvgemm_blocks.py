@@ -35,7 +35,10 @@ each called eagerly (``*_eager``) and replayed from a CUDA graph of one call
 (``*_graph``: ``torch.cuda.graph`` after warm-up; the rewritten program is
 warmed up and captured under ``nvgemm.timing_mode("device")``, its eager
 column under the default host timing). Before timing, every column's output
-is checked against the eager block in fp32.
+is checked against the eager block in fp32. ``fused`` gives how many fused
+ops the two rewritten programs hold (eager/graph): ``0`` eagerly means the
+race kept the program as it was, so that row compares two copies of one
+program.
 
 Targets printed per row and summarised: ``rewritten >= 1.00x unrewritten``
 eager and in the graph, ``rewritten >= 0.98x compile`` in the graph (ratios
@@ -199,13 +202,16 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
         want = block(*args)
         ep = torch.export.export(block, args)
         # The rewritten program as each kind of caller gets it: the default (eager) and for CUDA graphs.
+        eager_prog, graph_prog = nvgemm(ep), nvgemm(ep, calling="graph")
         callers = {"module": (block, block), "unrewritten": (ep.module(),) * 2,
-                   "rewritten": (nvgemm(ep).module(), nvgemm(ep, calling="graph").module())}
+                   "rewritten": (eager_prog.module(), graph_prog.module())}
         if compile_mode is not None:
             compiled = torch.compile(block, mode=compile_mode, dynamic=False)
             callers["compile"] = (compiled, compiled)
         time_us = _timer(device, iters, repeats)
-        row: dict[str, float | str] = {"block": spec.name, "m": m}
+        # how many fused ops each rewritten program kept (0 eagerly: the race left the program as it was)
+        row: dict[str, float | str] = {"block": spec.name, "m": m,
+                                       "fused": f"{fused_ops(eager_prog)}/{fused_ops(graph_prog)}"}
         eager, graphs = {}, {}
         for name, (eager_fn, graph_fn) in callers.items():
             call = (lambda fn=eager_fn: fn(*args))
@@ -219,6 +225,12 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
         row.update(time_us(eager))
         row.update(time_us(graphs, flush=nvgemm.timing.L2Flush(device) if cold_l2 and graphs else None))
     return row
+
+
+def fused_ops(program) -> int:
+    """The fused op's calls in ``program``'s graph (both overloads)."""
+    packet = torch.ops.branchyard.fused_gemm_epilogue
+    return sum(n.op == "call_function" and n.target in (packet.default, packet.out) for n in program.graph.nodes)
 
 
 def ratios(row: dict) -> dict[str, float | None]:
@@ -235,17 +247,19 @@ def report(rows: list[dict], markdown: bool) -> str:
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = []
     if markdown:
-        lines.append("| block | M | " + " | ".join(cols) + " | " + " | ".join(t[0] for t in TARGETS) + " |")
-        lines.append("|" + "---|" * (2 + len(cols) + len(TARGETS)))
+        lines.append("| block | M | fused (eager/graph) | " + " | ".join(cols) + " | "
+                     + " | ".join(t[0] for t in TARGETS) + " |")
+        lines.append("|" + "---|" * (3 + len(cols) + len(TARGETS)))
     for r in rows:
         cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else "-" for c in cols]
         checks = []
         for (name, _, _, floor), value in zip(TARGETS, ratios(r).values()):
             checks.append("-" if value is None else f"{value:.2f}x {'PASS' if value >= floor else 'FAIL'}")
         if markdown:
-            lines.append(f"| {r['block']} | {r['m']} | " + " | ".join(cells + checks) + " |")
+            lines.append(f"| {r['block']} | {r['m']} | {r.get('fused', '-')} | " + " | ".join(cells + checks) + " |")
         else:
-            lines.append(f"{r['block']:22s} M={r['m']:<5d} " + " ".join(f"{c}={v}" for c, v in zip(cols, cells))
+            lines.append(f"{r['block']:22s} M={r['m']:<5d} fused={r.get('fused', '-')} "
+                         + " ".join(f"{c}={v}" for c, v in zip(cols, cells))
                          + " | " + " ; ".join(checks))
     lines.append("")
     for name, _, _, floor in TARGETS:

@@ -44,6 +44,11 @@ dtypes, devices, timing mode -- so a later call is a lookup and a launch):
   before the capture, else the unfused path -- never tuning, compiling,
   loading or synchronising inside a capture.
 
+A call of a known signature that a guard proves would reach this module's
+kernel directly skips the dispatcher (the functional overload; see "the
+dispatcher bypass" at the end of the module); modes, tracing, the profiler
+and gradients still see the op as any dispatcher op.
+
     >>> import torch
     >>> a, w, bias = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8)
     >>> out = fused_gemm_epilogue(a, w, [bias], "w=nk;bias@0;relu;out=float32")

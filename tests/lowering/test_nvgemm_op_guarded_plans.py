@@ -9,20 +9,14 @@ from __future__ import annotations
 
 import gc
 import random
-import warnings
 import weakref
 
 import pytest
 import torch
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm import NvGemmFallbackWarning
 from branchyard.lowering.nvgemm import op as op_mod
-from branchyard.lowering.nvgemm import tuner as tuner_mod
-from branchyard.lowering.nvgemm.candidates import Candidate
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
-from branchyard.lowering.nvgemm.tuner import Autotuner
-from branchyard.lowering.nvgemm.winners import WinnerDB
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 TEXT = "w=nk;bias@0;relu;residual@1;out=float32"
@@ -32,20 +26,9 @@ pytestmark = pytest.mark.skipif(op_mod._TensorGuards is None, reason="this torch
 
 
 @pytest.fixture
-def tuner(monkeypatch, tmp_path):
+def tuner(probe_tuner):
     """A tuner whose one candidate computes the reference, every call eligible."""
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
-
-    def impl(a2d, b_kn, ops, out):
-        out.copy_(reference_fused_gemm(a2d, b_kn.t(), list(ops), SPEC))  # b_kn.t(): the [N, K] weight again
-
-    t = Autotuner([Candidate("probe", lambda p: impl)], timer=lambda n, f: 1.0, db=WinnerDB(tmp_path),
-                  env={"gpu": "t"}, progress=False)
-    tuner_mod.set_autotuner(t)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NvGemmFallbackWarning)
-        yield t
-    tuner_mod.set_autotuner(None)
+    return probe_tuner
 
 
 def _found_plans(monkeypatch) -> list:

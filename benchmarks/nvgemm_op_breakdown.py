@@ -54,7 +54,7 @@ def measure(device: str = "cpu", calls: int = 5000) -> dict[str, Any]:
         call = tuner.call_plans[key]
         op(a, w, ops, spec)  # a second call keeps the plan with a guard
         coarse = op_mod._coarse_key(spec, current_timing_mode(), a, w, ops)
-        assert op_mod._guarded_entry(tuner, coarse, a, w, ops)[1] is call
+        assert op_mod._guarded_entry(tuner, coarse, a, w, ops).plan is call
         pieces = {
             "aten_noop": lambda: torch.ops.aten.alias.default(a),
             "op": lambda: op(a, w, ops, spec),

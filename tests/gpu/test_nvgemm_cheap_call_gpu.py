@@ -181,7 +181,7 @@ def test_guarded_plans_on_cuda_keep_one_plan_per_device_and_replay_from_a_captur
             assert len(tuner.call_plans) == len(cases)
             for a, w, ops, spec in cases:
                 coarse = op_mod._coarse_key(str(spec), "host", a, w, ops)
-                call = op_mod._guarded_entry(tuner, coarse, a, w, ops)[1]
+                call = op_mod._guarded_entry(tuner, coarse, a, w, ops).plan
                 assert call is tuner.call_plans[op_mod._signature(a, w, ops, str(spec), "host")]
                 assert call.device == a.device and call.b_meta == (w.shape, w.stride())
             a, w, ops, spec = cases[0]

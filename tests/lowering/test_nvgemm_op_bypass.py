@@ -118,7 +118,7 @@ def test_a_guard_kept_by_a_differentiable_call_is_not_bypassed(tuner, dispatched
         assert FUSED(a, w, ops, TEXT).grad_fn is not None
     assert len(dispatched) == 4
     entries = [e for es in tuner.guarded_plans.values() for e in es]
-    assert entries and not any(e[2] for e in entries), "kept below autograd: not direct"
+    assert entries and not any(e.direct for e in entries), "kept below autograd: not direct"
 
 
 def test_a_guard_kept_by_calling_the_kernel_is_used_once_a_direct_call_finds_it(tuner, dispatched):
@@ -127,9 +127,9 @@ def test_a_guard_kept_by_calling_the_kernel_is_used_once_a_direct_call_finds_it(
         for _ in range(2):
             op_mod._fused_gemm_epilogue(a, w, ops, TEXT)  # the kernel as a function: not direct
         ((entry,),) = tuner.guarded_plans.values()
-        assert entry[2] is False
+        assert entry.direct is False
         FUSED(a, w, ops, TEXT)
-        assert len(dispatched) == 1 and entry[2] is True, "a direct call found the entry: now bypassable"
+        assert len(dispatched) == 1 and entry.direct is True, "a direct call found the entry: now bypassable"
         torch.testing.assert_close(FUSED(a, w, ops, TEXT), _want(a, w, ops))
     assert len(dispatched) == 1
 

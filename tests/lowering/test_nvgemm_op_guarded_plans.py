@@ -38,7 +38,7 @@ def _found_plans(monkeypatch) -> list:
 
     def spy(tuner, coarse, a, b, operands):
         entry = real(tuner, coarse, a, b, operands)
-        found.append((entry and entry[1], op_mod._signature(a, b, operands, coarse[0], coarse[1])))
+        found.append((entry and entry.plan, op_mod._signature(a, b, operands, coarse[0], coarse[1])))
         return entry
 
     monkeypatch.setattr(op_mod, "_guarded_entry", spy)
@@ -78,7 +78,7 @@ def test_calls_sharing_a_coarse_key_keep_their_own_plans(tuner, monkeypatch):
     plans = tuner.call_plans
     assert len(plans) == len(variants), "one plan per signature"
     (entries,) = tuner.guarded_plans.values()
-    assert len(entries) == len(variants) and len({id(entry[1]) for entry in entries}) == len(variants)
+    assert len(entries) == len(variants) and len({id(entry.plan) for entry in entries}) == len(variants)
     hits = [(call, sig) for call, sig in found if call is not None]
     assert len(hits) == len(variants), "the third round finds every plan through its guard"
     for call, sig in hits:
@@ -102,7 +102,7 @@ def test_each_dispatch_state_keeps_a_guard_of_the_one_plan(tuner, monkeypatch):
             torch.testing.assert_close(FUSED(a, w, ops, TEXT), _want(a, w, ops))
     (call,) = tuner.call_plans.values()
     (entries,) = tuner.guarded_plans.values()
-    assert 1 <= len(entries) <= 3 and all(entry[1] is call for entry in entries)
+    assert 1 <= len(entries) <= 3 and all(entry.plan is call for entry in entries)
     assert [c for c, _ in found[-3:]] == [call] * 3, "every state finds the plan through a guard"
 
 
@@ -268,5 +268,5 @@ def test_threads_on_signatures_of_one_coarse_key_get_their_own_results(tuner):
         with torch.no_grad():
             FUSED(a, w, ops, TEXT)
             FUSED(a, w, ops, TEXT)
-        call = op_mod._guarded_entry(tuner, op_mod._coarse_key(TEXT, "host", a, w, ops), a, w, ops)[1]
+        call = op_mod._guarded_entry(tuner, op_mod._coarse_key(TEXT, "host", a, w, ops), a, w, ops).plan
         assert call is tuner.call_plans[op_mod._signature(a, w, ops, TEXT, "host")]

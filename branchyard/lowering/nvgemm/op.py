@@ -316,31 +316,42 @@ def _guard(tensors: tuple[torch.Tensor, ...]) -> object | None:
         return None
 
 
-def _guarded_entry(tuner: Autotuner, coarse: tuple, a, b, operands) -> list | None:
-    """The ``[guard, plan, direct, grad]`` entry of a signature met before, found
-    without its key: the first one kept under ``coarse`` whose guard the tensors
-    pass (:func:`_keep_guarded`)."""
+@dataclass(slots=True)
+class _GuardedPlan:
+    """A plan kept under a coarse key (:func:`_keep_guarded`) with a guard of
+    the tensors of its signature."""
+
+    guard: object
+    plan: CallPlan
+    #: Kept by a call that came straight from the op's Autograd kernel, so every call
+    #: passing the guard would (the guard pins each tensor's dispatch keys under the
+    #: thread's dispatch state): such calls may skip the dispatcher (:func:`_bypass_plan`).
+    direct: bool
+    #: A tensor requires grad (pinned by the guard too): with grad mode on the call
+    #: needs autograd, so it takes the dispatcher.
+    grad: bool
+
+
+def _guarded_entry(tuner: Autotuner, coarse: tuple, a, b, operands) -> _GuardedPlan | None:
+    """The entry of a signature met before, found without its key: the first one
+    kept under ``coarse`` whose guard the tensors pass."""
     for entry in tuner.guarded_plans.get(coarse, ()):
-        if entry[0].check(a, b, *operands):
+        if entry.guard.check(a, b, *operands):
             return entry
     return None
 
 
 def _keep_guarded(tuner: Autotuner, coarse: tuple, a, b, operands, call: CallPlan, direct: bool) -> None:
     """Keep ``call`` (found in ``tuner.call_plans`` for these tensors' signature) under
-    ``coarse`` with a guard of the tensors, newest first, as ``[guard, call, direct,
-    grad]``. ``direct``: this call came straight from the op's Autograd kernel, so
-    every call passing the guard would (the guard pins each tensor's dispatch keys
-    under the thread's dispatch state) while it needs no gradient; ``grad``: a
-    tensor requires grad (pinned too), so it needs one where grad mode is on. Such
-    calls may skip the dispatcher (:func:`_bypass_plan`)."""
+    ``coarse`` with a guard of the tensors, newest first (a :class:`_GuardedPlan`;
+    ``direct``: this call came straight from the op's Autograd kernel)."""
     guard = _guard((a, b, *operands))
     if guard is None:
         return
     plans = tuner.guarded_plans
     if len(plans) >= _PLANS_LIMIT:
         plans.clear()
-    entry = [guard, call, direct, _needs_grad(a, b, operands)]
+    entry = _GuardedPlan(guard, call, direct, _needs_grad(a, b, operands))
     plans[coarse] = (entry, *plans.get(coarse, ())[:_GUARDED_PER_KEY - 1])
 
 
@@ -519,9 +530,9 @@ def _fused_gemm_epilogue(
     coarse = _coarse_key(spec, mode, a, b, operands)
     entry = _guarded_entry(tuner, coarse, a, b, operands)
     if entry is not None:
-        call = entry[1]
-        if direct and not entry[2]:  # kept by another path (the kernel called as a function)
-            entry[2] = True
+        call = entry.plan
+        if direct and not entry.direct:  # kept by another path (the kernel called as a function)
+            entry.direct = True
     else:
         key = _signature(a, b, operands, spec, mode)
         call = tuner.call_plans.get(key)
@@ -808,9 +819,9 @@ def _bypass_plan(a, b, operands, spec) -> CallPlan | None:
         entry = _guarded_entry(tuner, _coarse_key(spec, current_timing_mode(), a, b, operands), a, b, operands)
     except (AttributeError, TypeError):  # not the schema's argument types: the dispatcher says what is wrong
         return None
-    if entry is None or not entry[2] or (entry[3] and torch._C.is_grad_enabled()):
+    if entry is None or not entry.direct or (entry.grad and torch._C.is_grad_enabled()):
         return None
-    return entry[1]
+    return entry.plan
 
 
 def _bypass_call(*args, **kwargs):

@@ -29,6 +29,7 @@ in a model whose weights do not fit the L2, and as the tuner times):
 * ``rewritten``  ``branchyard.lowering.nvgemm(ep).module()`` eagerly (the default ``calling="eager"``:
   on CUDA the pass races the rewritten program against ``ep`` and leaves unfused what loses;
   the ops tune during that race), and ``nvgemm(ep, calling="graph").module()`` in the graph
+  (raced as CUDA-graph replays: what its replays are faster without stays unfused)
 * ``compile``    ``torch.compile(block, mode="max-autotune-no-cudagraphs", dynamic=False)``
 
 each called eagerly (``*_eager``) and replayed from a CUDA graph of one call
@@ -36,8 +37,8 @@ each called eagerly (``*_eager``) and replayed from a CUDA graph of one call
 warmed up and captured under ``nvgemm.timing_mode("device")``, its eager
 column under the default host timing). Before timing, every column's output
 is checked against the eager block in fp32. ``fused`` gives how many fused
-ops the two rewritten programs hold (eager/graph): ``0`` eagerly means the
-race kept the program as it was, so that row compares two copies of one
+ops the two rewritten programs hold (eager/graph): ``0`` means the race
+kept the program as it was, so that column compares two copies of one
 program.
 
 Targets printed per row and summarised: ``rewritten >= 1.00x unrewritten``

@@ -181,14 +181,121 @@ def test_identical_chains_are_one_group_decided_together():
         "w=nk;bias@0;relu;out=float32 [4x16 @ 16x16, 16]: left unfused (53.0 us per call fused, 50.0 us unfused)"]
 
 
-def test_graph_calling_fuses_everything_without_a_race():
+class FakeCapture:
+    """A CPU stand-in for ``ProgramRace.capture``: records the timing mode it
+    was called under and replays by calling the program; ``fail_when(fused
+    chain count)`` makes it raise for those programs."""
+
+    def __init__(self, fail_when=lambda n_fused: False):
+        self.modes: list[str] = []
+        self.fail_when = fail_when
+
+    def __call__(self, gm, inputs):
+        from branchyard.lowering.nvgemm.timing import current_timing_mode
+
+        self.modes.append(current_timing_mode())
+        if self.fail_when(len(_fused_specs(gm))):
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+        return lambda: gm(*inputs)
+
+
+def test_graph_calling_races_replays_of_captured_programs():
+    block, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": -5.0, "residual": 9.0}, reference=lambda: ep.module()(x))
+    capture = FakeCapture()
+    p = NvGemmPass("graph", race=_race(clock, capture=capture)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert _fused_specs(out) == ["w=nk;bias@0;silu;out=float32"]
+    # every timed program was captured first, once, with the fused ops tuning for device time
+    assert len(capture.modes) == len(set(clock.timed)) == 4 and set(capture.modes) == {"device"}
+    assert p.report.stats["race"] == ("raced in a CUDA graph: 95.0 us per replay against 100.0 us unrewritten; "
+                                      "1 chain(s) left unfused")
+    (left,) = [s.reason for s in p.report.skips if s.reason.startswith("left unfused")]
+    assert left.startswith("left unfused: the program replayed from a CUDA graph is faster without it (")
+    assert "104.0 us per call fused, 95.0 us unfused" in left
+    torch.testing.assert_close(out.module()(x), block(x))
+
+
+def test_the_eager_race_captures_nothing_and_tunes_for_host_time():
     _, x, ep = _block_ep()
+    modes: list[str] = []
+
+    def timer(v: Variant) -> float:
+        from branchyard.lowering.nvgemm.timing import current_timing_mode
+
+        modes.append(current_timing_mode())
+        assert v.calling == "eager"
+        return (100.0 - 5.0 * len(v.fused)) / 1e3
+
+    capture = FakeCapture()
+    out = nvgemm(ep, race=ProgramRace(timer=timer, devices=("cpu",), blocks=1, capture=capture))
+    assert len(_fused_specs(out)) == 2 and capture.modes == [] and set(modes) == {"host"}
+
+
+def test_a_graph_program_that_cannot_be_captured_is_fused_as_without_a_race():
+    _, _, ep = _block_ep()
     clock = FakeClock(100.0, {"silu": 50.0, "residual": 50.0})
-    p = NvGemmPass("graph", race=_race(clock)).bind_inputs(ep)
+    p = NvGemmPass("graph", race=_race(clock, capture=FakeCapture(lambda n: True))).bind_inputs(ep)
     out = Pipeline([p])(ep).program
     assert len(_fused_specs(out)) == 2 and clock.timed == []
-    assert p.report.stats["race"].startswith("not raced: calling='graph'")
-    assert len(_fused_specs(nvgemm(ep, calling="graph", race=_race(clock)))) == 2 and clock.timed == []
+    assert p.report.stats["race"] == ("not raced: the unrewritten program could not be captured into a CUDA "
+                                      "graph: RuntimeError: operation not permitted when stream is capturing")
+
+
+def test_a_fused_program_that_cannot_be_captured_is_not_kept(caplog):
+    block, x, ep = _block_ep()
+    clock = FakeClock(100.0, {"silu": -50.0, "residual": -50.0})  # fused would win, if it could be replayed
+    p = NvGemmPass("graph", race=_race(clock, capture=FakeCapture(lambda n: n > 0))).bind_inputs(ep)
+    with caplog.at_level("WARNING", logger="branchyard"):
+        out = Pipeline([p])(ep)
+    assert _fused_specs(out.program) == [] and not out.modified and clock.timed == []
+    failure = ("the program fusing 2 group(s) could not be captured into a CUDA graph: RuntimeError: operation "
+               "not permitted when stream is capturing")
+    assert p.report.stats["race"] == f"raced in a CUDA graph: {failure}; 2 chain(s) left unfused"
+    left = [s.reason for s in p.report.skips if s.reason.startswith("left unfused")]
+    assert left == [f"left unfused: {failure}"] * 2
+    assert "could not be captured into a CUDA graph" in caplog.text
+    torch.testing.assert_close(out.program.module()(x), block(x))
+
+
+def test_graph_calling_without_a_capture_for_control_flow_fuses_everything_and_says_why():
+    block = Branchy().eval()
+    x, f = torch.randn(4, 16), torch.tensor([1])
+    ep = torch.export.export(block, (x, f))
+    clock = FakeClock(100.0, {"relu": 50.0, "sigmoid": 50.0})
+    p = NvGemmPass("graph", race=_race(clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert len(_all_fused_specs(out.graph_module)) == 2 and clock.timed == []
+    assert re.fullmatch(r"not raced: calling='graph' and the program has control flow \('cond(_\d+)?'\), which "
+                        r"one CUDA-graph capture of a call cannot replay \(ProgramRace\(capture=\.\.\.\) can race "
+                        r"it\)", p.report.stats["race"]), p.report.stats["race"]
+    # a capture that can replay control flow (the CUDA-graph lowering's, say) races it
+    p = NvGemmPass("graph", race=_race(clock, capture=FakeCapture())).bind_inputs(ep)
+    Pipeline([p])(ep)
+    assert p.report.stats["race"].startswith("raced in a CUDA graph: ") and clock.timed
+
+
+class ReadsOnHost(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, n):
+        k = n.item()
+        torch._check(k >= 0)
+        torch._check(k <= x.shape[0])
+        return torch.relu(self.fc(x))[:k]
+
+
+def test_graph_calling_of_a_program_that_reads_the_gpu_on_the_host_is_not_raced():
+    x, n = torch.randn(4, 16), torch.tensor(3)
+    ep = torch.export.export(ReadsOnHost().eval(), (x, n))
+    clock = FakeClock(100.0, {"relu": 50.0})
+    p = NvGemmPass("graph", race=_race(clock)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert len(_fused_specs(out)) == 1 and clock.timed == []
+    assert re.fullmatch(r"not raced: calling='graph' and '\w+' reads a GPU value on the host, which a CUDA-graph "
+                        r"capture cannot do", p.report.stats["race"]), p.report.stats["race"]
 
 
 def test_a_cpu_program_is_not_raced_by_default_and_the_report_says_why():
@@ -303,7 +410,22 @@ def test_compile_tells_the_pass_how_the_program_is_called():
     ep = torch.export.export(block, (x,))
     graph_report = compiler.CompileReport()
     compiler._run_pass("nvgemm", ep, graph_report, cuda_graph=True)
-    assert graph_report.pass_reports[0].stats["race"].startswith("not raced: calling='graph'")
+    assert graph_report.pass_reports[0].stats["race"].startswith("not raced: the program runs on cpu")
+
+
+@pytest.mark.parametrize("cuda_graph, raced", [(True, "raced in a CUDA graph: "), (False, "raced eagerly: ")])
+def test_compile_races_the_program_the_way_it_will_be_called(monkeypatch, cuda_graph, raced):
+    from branchyard import compiler
+    from branchyard.lowering.nvgemm import fuse
+
+    _, _, ep = _block_ep()
+    capture = FakeCapture()
+    clock = FakeClock(100.0, {"silu": -5.0, "residual": -5.0})
+    monkeypatch.setattr(fuse, "ProgramRace", lambda: _race(clock, capture=capture))
+    report = compiler.CompileReport()
+    compiler._run_pass("nvgemm", ep, report, cuda_graph=cuda_graph)
+    assert report.pass_reports[0].stats["race"].startswith(raced)
+    assert bool(capture.modes) is cuda_graph
 
 
 class Branchy(nn.Module):
@@ -420,3 +542,65 @@ def test_a_race_runs_the_program_on_copies_of_what_it_writes():
     assert len(clock.timed) > 3 and len(_fused_specs(out)) == 2  # it ran the program many times
     assert int(block.calls) == 0 and not block.cache.any() and not scratch.any()
     assert ep.example_inputs[0][1] is scratch
+
+
+def test_a_race_on_no_device_type_fuses_everything_and_says_so():
+    _, _, ep = _block_ep()
+    p = NvGemmPass("graph", race=ProgramRace(devices=())).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert len(_fused_specs(out)) == 2
+    assert p.report.stats["race"] == ("not raced: the program runs on cpu, where the fused op runs the original "
+                                      "ATen ops (races run on no device)")
+
+
+class Projections(nn.Module):
+    """Attention's projections: a plain q projection, a k projection with only
+    its own bias (addmm), and ``x + o(h)`` (a residual chain)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, h):
+        return self.q(x), self.k(x), x + self.o(h)
+
+
+def _projections_ep():
+    torch.manual_seed(0)
+    block = Projections().eval()
+    args = (torch.randn(4, 16), torch.randn(4, 16))
+    return block, args, torch.export.export(block, args)
+
+
+@pytest.mark.parametrize("plain_delta, kept", [(-5.0, 2), (5.0, 0)])
+def test_graph_race_offers_plain_gemms_and_keeps_the_ones_that_win(plain_delta, kept):
+    block, args, ep = _projections_ep()
+    # "w=nk;out" is the plain q GEMM, "w=nk;bias@0;out" the k projection with only its own bias
+    clock = FakeClock(100.0, {"w=nk;out": plain_delta, "w=nk;bias@0;out": plain_delta, "residual": -5.0})
+    p = NvGemmPass("graph", race=_race(clock, capture=FakeCapture())).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    plain = ["w=nk;bias@0;out=float32", "w=nk;out=float32"]
+    assert _fused_specs(out) == sorted(["w=nk;residual@0;out=float32"] + plain[:kept])
+    assert p.report.stats["plain_fused"] == kept and p.report.stats["fused"] == 1 + kept
+    assert {g for f in clock.timed for g in f} >= {"w=nk;out=float32 [4x16 @ 16x16]"}  # the plain GEMM was raced
+    declined = {s.where.split("'")[1]: s.reason for s in p.report.skips if not s.reason.startswith("left")}
+    if kept:
+        assert "linear" not in declined and "linear_1" not in declined
+    else:  # a plain GEMM that loses is declined as without a race
+        assert declined["linear"].startswith("nothing to fuse after the matmul")
+        assert declined["linear_1"].startswith("only the matmul's own bias")
+    for got, want in zip(out.module()(*args), block(*args), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_the_eager_race_and_an_unraced_graph_program_leave_plain_gemms_alone():
+    _, args, ep = _projections_ep()
+    clock = FakeClock(100.0, {"w=nk;out": -50.0, "w=nk;bias@0;out": -50.0, "residual": -5.0})
+    out = nvgemm(ep, race=_race(clock, capture=FakeCapture()))
+    assert _fused_specs(out) == ["w=nk;residual@0;out=float32"]
+    assert all(len(f) <= 1 for f in clock.timed) and {g for f in clock.timed for g in f} == {
+        "w=nk;residual@0;out=float32 [4x16 @ 16x16, 4x16]"}
+    unraced = nvgemm(ep, calling="graph", race=ProgramRace(devices=()))
+    assert _fused_specs(unraced) == ["w=nk;residual@0;out=float32"]

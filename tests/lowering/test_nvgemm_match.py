@@ -101,7 +101,7 @@ def test_swiglu_fuses_gate_silu_and_declines_the_rest():
     p = NvGemmPass()
     res = p(ep.graph_module)
     assert p.report.stats["specs"] == ["w=nk;silu;out=float32"]
-    assert p.report.stats == {"fused": 1, "declined": 2, "specs": ["w=nk;silu;out=float32"],
+    assert p.report.stats == {"fused": 1, "declined": 2, "specs": ["w=nk;silu;out=float32"], "plain_fused": 0,
                               "race": "not raced: the program runs on cpu, where the fused op runs "
                                       "the original ATen ops (races run on cuda)"}
     reasons = {s.where.split("'")[1]: s.reason for s in p.report.skips}

@@ -20,7 +20,8 @@ checks):
 ``epilogue.py``           the epilogue table (match, formula, kernel formula, cuBLAS
                           coverage, eager op per row), ``EpilogueSpec``, reference semantics
 ``matcher.py``            matmul roots and the chain walk (match or reason)
-``program_race.py``       the eager race: rewritten vs unrewritten program, host time included
+``program_race.py``       the program race: rewritten vs unrewritten program, called eagerly
+                          (host time included) or replayed from a CUDA graph
 ``fuse.py``               ``NvGemmPass``: rewrite each fusable chain into the fused op
 **the op**
 ``op.py``                 ``branchyard::fused_gemm_epilogue``: argument checks, the call

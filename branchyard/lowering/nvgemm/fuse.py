@@ -11,19 +11,23 @@ pass report with its reason. Before / after::
     %gelu = aten.gelu(%add)                          "w=kn;bias@0;gelu_erf;residual@1;out=bfloat16")
     %out  = aten.add.Tensor(%gelu, %r)
 
-Called eagerly, the rewritten program is never slower than the original:
-where the program runs on CUDA and ``calling="eager"`` (the default), the
-pass races the rewritten program against the unrewritten one, host time
-included, and leaves unfused every group of chains it does not win with
-(:mod:`.program_race`). Semantics, as Python::
+The rewritten program is never slower than the original, called the way it
+will be called: where the program runs on CUDA, the pass races the
+rewritten program against the unrewritten one and leaves unfused every
+group of chains it does not win with (:mod:`.program_race`) -- host time
+included for ``calling="eager"`` (the default), device time of CUDA-graph
+replays for ``calling="graph"``. Semantics, as Python::
 
     def nvgemm(program, calling="eager"):
         chains = [c for c in find_epilogue_chains(program) if c.fusable]
-        if calling == "eager" and program runs on CUDA and example inputs can be had:
-            keep = race(chains)         # by the program's time per call, host-inclusive
-        else:                           # "graph": replayed from a CUDA graph, host work is not paid
-            keep = chains               # CPU: the fused op runs the same ATen ops, nothing to win
+        if program runs on CUDA and example inputs can be had and (calling == "eager" or capturable):
+            keep = race(chains, calling)  # eager: time per call, host-inclusive
+        else:                             # graph: time per replay of a CUDA graph of one call
+            keep = chains                 # CPU: the fused op runs the same ATen ops, nothing to win
         return program with each chain in keep replaced by one fused op
+
+``capturable``: no control flow and no GPU value read on the host (what one
+capture of a call can replay), or a ``ProgramRace.capture`` that can.
 
 Chains are matched on the current graph one at a time, so two chains never
 claim the same node. The rewrite inserts the fused op just before the
@@ -45,19 +49,23 @@ that node's users and erases the chain.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Sequence
+import math
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from branchyard.lowering.nvgemm.matcher import MATMUL_ROOTS, EpilogueChain, match_chain
 from branchyard.lowering.nvgemm.op import fused_gemm_epilogue
 from branchyard.lowering.nvgemm.program_race import (
     Calling,
     ProgramRace,
+    RaceDecision,
     RaceResult,
     Variant,
+    capture_replay,
     check_calling,
     placeholder_inputs,
     program_device,
@@ -152,11 +160,12 @@ def _fusable_chains(graph_module: GraphModule) -> Iterator[tuple[GraphModule, No
             yield gm, root, match_chain(root)
 
 
-def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None) -> list[str]:
-    """Rewrite the fusable chains whose group is in ``groups`` (all: ``None``); their groups, in order."""
+def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, plain: bool = False) -> list[str]:
+    """Rewrite the fusable chains (and, with ``plain``, the plain GEMMs) whose
+    group is in ``groups`` (all: ``None``); their groups, in order."""
     seen = []
     for gm, _, chain in _fusable_chains(graph_module):
-        if chain.fusable:
+        if chain.fusable or (plain and chain.plain):
             group = chain_group(chain)
             seen.append(group)
             if groups is None or group in groups:
@@ -168,18 +177,18 @@ class NvGemmPass(BranchyardPass):
     """Fuse matmul + epilogue chains into ``branchyard.fused_gemm_epilogue``.
 
     ``calling``: how the rewritten program will be called -- ``"eager"``
-    (the default: from Python, the program is raced, see the module
-    docstring) or ``"graph"`` (replayed from a CUDA graph, as
-    ``branchyard.compile`` with ``cuda_graph=True`` runs it: every fusable
-    chain is fused). ``race`` sets how programs are raced (its timer,
-    blocks and devices; :class:`~.program_race.ProgramRace`);
+    (the default: from Python) or ``"graph"`` (replayed from a CUDA graph,
+    as ``branchyard.compile`` with ``cuda_graph=True`` runs it); the program
+    is raced the way it will be called (see the module docstring). ``race``
+    sets how programs are raced (its timer, blocks, devices and graph
+    capture; :class:`~.program_race.ProgramRace`);
     ``example_inputs`` gives one value per graph placeholder (``None`` where
     a random tensor of the example shape will do; :meth:`bind_inputs` takes
     them from an ExportedProgram).
 
     ``report.stats``: ``fused`` (chains replaced), ``declined`` (roots left
     alone), ``specs`` (the spec of each fused chain, in graph order), ``race``
-    (what the eager race found, or why it did not run) and
+    (what the race found, or why it did not run) and
     ``race_decisions`` (each group's time per call fused and unfused). Each
     chain the race left unfused is a skip with its figures.
     """
@@ -209,26 +218,34 @@ class NvGemmPass(BranchyardPass):
         self.example_inputs = program_inputs(program)
         return self
 
+    @property
+    def _races_plain(self) -> bool:
+        """Whether plain GEMMs join the race: replayed from a CUDA graph, another
+        kernel than cuBLAS's can win one; called eagerly, the op's host cost on
+        top of one ATen launch all but rules that out, so they are not timed."""
+        return self.calling == "graph"
+
     def _why_not_race(self, graph_module: GraphModule) -> str | None:
         """Why the program is not raced (``None``: it is)."""
-        if self.calling == "graph":
-            return "calling='graph': replayed from a CUDA graph, where host work is not paid"
         device = program_device(graph_module, self.example_inputs or ())
         if device not in self.race.devices:
-            return (f"the program runs on {device}, where the fused op runs the original ATen ops "
-                    f"(races run on {', '.join(self.race.devices)})")
+            where = ", where the fused op runs the original ATen ops" if device == "cpu" else ""
+            return f"the program runs on {device}{where} (races run on {', '.join(self.race.devices) or 'no device'})"
         if device == "cuda" and not torch.cuda.is_available():
             return "the program is on CUDA but CUDA is not available here"
         if device == "cuda" and torch.cuda.is_current_stream_capturing():
             return "a CUDA graph is being captured on this stream (running the program would break it)"
         if detect_fake_mode() is not None:
             return "called while tracing with fake tensors (nothing real to time)"
+        if self.calling == "graph" and self.race.capture is None:
+            return _why_not_capturable(graph_module)
         return None
 
     def _race(self, graph_module: GraphModule) -> RaceResult | str:
         """Race copies of ``graph_module`` fusing different groups of chains; or why not."""
         everything = copy_graph_module(graph_module, share_tensors=True)  # tensors shared, not copied
-        groups = _fuse_groups(everything, None)
+        plain = self._races_plain
+        groups = _fuse_groups(everything, None, plain)
         if not groups:
             return "nothing to fuse"
         inputs, why_not = placeholder_inputs(graph_module, self.example_inputs)
@@ -236,28 +253,44 @@ class NvGemmPass(BranchyardPass):
             return why_not or "no inputs"
         programs = {frozenset(): graph_module, frozenset(groups): everything}
         variants: dict[frozenset[str], Variant] = {}
+        calling = self.calling
+        capture = self.race.capture or capture_replay
 
         def build(fused: frozenset[str]) -> Variant:
             if fused not in variants:
                 gm = programs.get(fused)
                 if gm is None:
                     gm = copy_graph_module(graph_module, share_tensors=True)
-                    _fuse_groups(gm, fused)
+                    _fuse_groups(gm, fused, plain)
                 if fused:
                     for m in iter_graph_modules(gm):
                         m.recompile()
                 run = lambda gm=gm: gm(*inputs)  # noqa: E731
-                run()  # warm-up: the fused ops tune here, for eager calls
-                variants[fused] = Variant(fused, run, gm)
+                run()  # warm-up: the fused ops tune here, for the way the program is called
+                if calling == "graph":
+                    try:
+                        run = capture(gm, inputs)
+                    except Exception as exc:
+                        raise _CaptureFailed(fused, exc) from exc
+                variants[fused] = Variant(fused, run, gm, calling)
             return variants[fused]
 
-        with race_context():
+        with race_context(calling):
             try:
                 build(frozenset())
+            except _CaptureFailed as failed:
+                return f"the unrewritten program could not be captured into a CUDA graph: {_first_line(failed.error)}"
             except Exception as exc:
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                return f"the unrewritten program failed on the race inputs: {type(exc).__name__}: {first}"
-            return self.race.run(groups, build)
+                return f"the unrewritten program failed on the race inputs: {_first_line(exc)}"
+            try:
+                return self.race.run(groups, build)
+            except _CaptureFailed as failed:  # a fused program that cannot be replayed is not kept
+                decisions = [RaceDecision(g, math.inf, math.nan, False) for g in groups]
+                logger.warning("nvgemm: the program fusing %s could not be captured into a CUDA graph (%s); "
+                               "left unfused", ", ".join(sorted(failed.fused)), _first_line(failed.error))
+                return RaceResult(frozenset(), decisions, math.nan, math.nan,
+                                  failure=f"the program fusing {len(failed.fused)} group(s) could not be captured "
+                                          f"into a CUDA graph: {_first_line(failed.error)}")
 
     def run(self, graph_module: GraphModule) -> bool:
         self.race_result = None
@@ -269,16 +302,27 @@ class NvGemmPass(BranchyardPass):
                 why_not = raced
             else:
                 self.race_result, keep = raced, raced.fused
-        fused, declined, specs, left = 0, 0, [], 0
+        fused, declined, specs, left, plain = 0, 0, [], 0, 0
         for gm, root, chain in _fusable_chains(graph_module):
+            group = chain_group(chain) if chain.fusable or chain.plain else ""
+            if chain.plain and self._races_plain and keep is not None and group in keep:  # won its race
+                specs.append(str(chain.spec))
+                rewrite_chain(gm, chain)
+                fused += 1
+                plain += 1
+                continue
             if not chain.fusable:
                 declined += 1
                 self.skip(root, chain.reason or "")
                 continue
-            group = chain_group(chain)
             if keep is not None and group not in keep:
-                decision = self.race_result.decision(group) if self.race_result else None
-                self.skip(root, f"left unfused: the program called eagerly is faster without it ({decision})")
+                result = self.race_result
+                if result is not None and result.failure:
+                    self.skip(root, f"left unfused: {result.failure}")
+                else:
+                    decision = result.decision(group) if result else None
+                    self.skip(root, f"left unfused: the program {_CALLED[self.calling]} is faster without it "
+                                    f"({decision})")
                 left += 1
                 continue
             if chain.near_miss and chain.stop_node is not None:
@@ -286,17 +330,55 @@ class NvGemmPass(BranchyardPass):
             specs.append(str(chain.spec))
             rewrite_chain(gm, chain)
             fused += 1
-        self.report.stats.update(fused=fused, declined=declined, specs=specs)
+        self.report.stats.update(fused=fused, declined=declined, specs=specs, plain_fused=plain)
         result = self.race_result
         if result is None:
             self.report.stats["race"] = f"not raced: {why_not}"
+        elif result.failure:
+            self.report.stats["race"] = f"{_RACED[self.calling]}: {result.failure}; {left} chain(s) left unfused"
         else:
             self.report.stats["race"] = (
-                f"raced eagerly: {result.result_us:.1f} us per call against {result.unrewritten_us:.1f} us "
-                f"unrewritten; {left} chain(s) left unfused")
+                f"{_RACED[self.calling]}: {result.result_us:.1f} us per {_PER[self.calling]} against "
+                f"{result.unrewritten_us:.1f} us unrewritten; {left} chain(s) left unfused")
             self.report.stats["race_decisions"] = [str(d) for d in result.decisions]
             logger.info("nvgemm: %s", self.report.stats["race"])
         return fused > 0
+
+
+#: How each calling is named in the report: the race, its unit, the program as called.
+_RACED = {"eager": "raced eagerly", "graph": "raced in a CUDA graph"}
+_PER = {"eager": "call", "graph": "replay"}
+_CALLED = {"eager": "called eagerly", "graph": "replayed from a CUDA graph"}
+
+
+class _CaptureFailed(Exception):
+    """A variant of the race could not be captured into a CUDA graph."""
+
+    def __init__(self, fused: frozenset[str], error: BaseException) -> None:
+        super().__init__(str(error))
+        self.fused, self.error = fused, error
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
+def _why_not_capturable(graph_module: GraphModule) -> str | None:
+    """Why one CUDA-graph capture of a call of ``graph_module`` cannot replay it
+    (``None``: it can): control flow (the CUDA-graph lowering turns it into
+    conditional nodes; a plain capture records one path), or a GPU value read
+    on the host (a sync, which invalidates a capture)."""
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return (f"calling='graph' and the program has control flow ('{node.name}'), which one CUDA-graph "
+                    "capture of a call cannot replay (ProgramRace(capture=...) can race it)")
+        if node.target is aten._local_scalar_dense.default or free_unbacked_symbols(node.meta.get("val")):
+            return (f"calling='graph' and '{node.name}' reads a GPU value on the host, which a CUDA-graph "
+                    "capture cannot do")
+    return None
 
 
 def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | None = None) -> Program:
@@ -307,8 +389,9 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     CUDA, chains the program is faster without stay unfused, so the result
     is never slower than ``program`` (see the module docstring); its own
     parameters and example inputs are what the race runs on.
-    ``calling="graph"`` for a program replayed from a CUDA graph: every
-    fusable chain is fused. ``race`` as in :class:`NvGemmPass`.
+    ``calling="graph"`` for a program replayed from a CUDA graph: chains
+    that its replays are faster without stay unfused. ``race`` as in
+    :class:`NvGemmPass`.
 
     >>> import torch
     >>> class MLP(torch.nn.Module):

@@ -95,7 +95,10 @@ class EpilogueChain:
     tensors, floats for scalars, dtypes for casts). ``reason`` is ``None`` for
     a fusable chain and says why otherwise; ``stop`` says why the chain ends
     where it does, and ``stop_node`` is the user it stopped at (``None`` when
-    it simply ran out of epilogue ops).
+    it simply ran out of epilogue ops). ``plain`` marks a chain declined only
+    because nothing follows the matmul to fuse (a plain GEMM, or ``addmm``
+    with its own bias): the op can still run it, with other kernels than
+    cuBLAS's, where a race shows that pays (see ``NvGemmPass``).
     """
 
     root: Node
@@ -110,6 +113,7 @@ class EpilogueChain:
     stop: str = ""
     stop_node: Node | None = None
     near_miss: bool = False
+    plain: bool = False
 
     @property
     def fusable(self) -> bool:
@@ -379,10 +383,12 @@ def match_chain(node: Node) -> EpilogueChain:
     _walk(chain)
     if chain.nodes == [node] and not chain.steps:
         chain.reason = f"nothing to fuse after the matmul: {chain.stop}"
+        chain.plain = True
     elif _is_only_root_bias(chain):
         chain.reason = (
             f"only the matmul's own bias, which addmm already applies in its epilogue; {chain.stop}"
         )
+        chain.plain = True
     return chain
 
 

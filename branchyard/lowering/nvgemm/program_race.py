@@ -1,12 +1,17 @@
-"""The program-level guard of the ``nvgemm`` pass: a rewritten program called
-eagerly is never slower than the program it was made from.
+"""The program-level guard of the ``nvgemm`` pass: a rewritten program is
+never slower than the program it was made from, called the way it will be
+called -- eagerly or replayed from a CUDA graph.
 
 Each fused op is tuned so that its choice is never slower than the chain it
-replaced, but that is not enough for a program called eagerly: the op's own
-host cost (its dispatch, the lookup of its choice) is paid on every call, so
-in a host-bound program (small ``M``) replacing a few ATen ops by one fused op
-can cost more host time than it saves GPU time. So the pass races the
-programs themselves, host-inclusive, and keeps only what wins. Semantics::
+replaced, but a kernel timed alone does not see everything a program pays.
+Called eagerly, the op's own host cost (its dispatch, the lookup of its
+choice) is paid on every call, so in a host-bound program (small ``M``)
+replacing a few ATen ops by one fused op can cost more host time than it
+saves GPU time. Replayed from a CUDA graph, kernels run back to back: how one
+overlaps the tail of the one before it, and what the program leaves in the
+L2 for the next, are not what a kernel timed alone after an L2 flush shows.
+So the pass races the programs themselves and keeps only what wins.
+Semantics::
 
     def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
         wins = lambda fused_us, unfused_us: fused_us < unfused_us * (1 - margin)
@@ -31,13 +36,23 @@ Chains that pose the same problem (spec, shapes, dtypes) are one group: they
 cost the same, and one decision for all of them keeps the race short in a
 model that repeats its blocks.
 
-The programs are timed the way an eager caller runs them: called back to
-back with the same inputs, synchronised at both ends of each block
-(:func:`~.timing.host_timer`), under ``torch.no_grad()`` and
-``timing_mode("host")`` (so the fused ops tune for eager calls while they
-warm up). What is timed is the program's graph called with its parameters
-and inputs; the wrapper of ``ExportedProgram.module()`` around it does the
-same work for both programs, so it cannot change which one is faster.
+The programs are timed the way their caller runs them, under
+``torch.no_grad()``:
+
+* ``calling="eager"``: called back to back with the same inputs,
+  synchronised at both ends of each block (:func:`~.timing.host_timer`),
+  under ``timing_mode("host")`` (the fused ops tune for eager calls while
+  they warm up). What is timed is the program's graph called with its
+  parameters and inputs; the wrapper of ``ExportedProgram.module()`` around
+  it does the same work for both programs, so it cannot change which one is
+  faster.
+* ``calling="graph"``: each program warmed up under ``timing_mode("device")``
+  (the fused ops tune for replays), captured into a CUDA graph of one call
+  (``ProgramRace.capture``, default :func:`capture_replay`), and its replays
+  timed back to back on the device alone (:func:`~.timing.device_block_timer`).
+  A program that reads a GPU value on the host or has control flow is not
+  captured here (the pass says why, and fuses as it would without a race);
+  a fused program that fails to capture is not kept.
 
 Inputs are the program's example inputs where it has them
 (:func:`program_inputs`), else random tensors of the placeholders' example
@@ -66,15 +81,17 @@ from torch.fx import GraphModule
 
 from branchyard.errors import LoweringError
 from branchyard.fx.graph_walk import resolve_attr
-from branchyard.lowering.nvgemm.timing import host_timer, time_round_robin, timing_mode
+from branchyard.lowering.nvgemm.timing import device_block_timer, host_timer, time_round_robin, timing_mode
 
 __all__ = [
     "CALLINGS",
     "Calling",
+    "GraphCapture",
     "ProgramRace",
     "RaceDecision",
     "RaceResult",
     "Variant",
+    "capture_replay",
     "check_calling",
     "placeholder_inputs",
     "program_device",
@@ -101,12 +118,14 @@ def check_calling(calling: Any, where: str = "nvgemm") -> Calling:
 
 @dataclass(frozen=True)
 class Variant:
-    """One program in the race: the chain groups it fuses, one call of it, and
-    the program itself (the pass's: a ``GraphModule``) for timers that look."""
+    """One program in the race: the chain groups it fuses, one call of it (a
+    replay of its CUDA graph where ``calling="graph"``), the program itself
+    (the pass's: a ``GraphModule``) for timers that look, and how it is called."""
 
     fused: frozenset[str]
     run: Callable[[], Any] = field(compare=False)
     program: Any = field(default=None, compare=False, repr=False)
+    calling: Calling = field(default="eager", compare=False)
 
     @property
     def name(self) -> str:
@@ -131,12 +150,15 @@ class RaceDecision:
 @dataclass
 class RaceResult:
     """What the race kept, every decision, and the two ends: the unrewritten
-    program's and the kept program's time per call (us)."""
+    program's and the kept program's time per call (us); ``failure`` where a
+    fused program could not be run the way it will be called."""
 
     fused: frozenset[str]
     decisions: list[RaceDecision]
     unrewritten_us: float
     result_us: float
+    #: Why the race stopped short, keeping the program as it was ("": it did not).
+    failure: str = ""
 
     def decision(self, group: str) -> RaceDecision | None:
         """The last decision about ``group`` (the one that stands)."""
@@ -148,22 +170,53 @@ VariantTimer = Callable[[Variant], float]
 
 
 def _default_timer(variant: Variant) -> float:
+    if variant.calling == "graph":
+        return device_block_timer(variant.run, warmup=1, reps=50, max_ms=20.0)
     return host_timer(variant.run, warmup=1, reps=30, max_ms=30.0)
+
+
+#: ``capture(program, inputs) -> replay``: ``program(*inputs)`` captured into a
+#: CUDA graph; ``replay()`` replays it once and returns the program's outputs.
+GraphCapture = Callable[[GraphModule, Sequence[Any]], Callable[[], Any]]
+
+
+def capture_replay(program: GraphModule, inputs: Sequence[Any]) -> Callable[[], Any]:
+    """``program(*inputs)`` captured into a CUDA graph of its own memory pool,
+    as a user captures one call with ``torch.cuda.graph``: one warm-up call on
+    a side stream first, so lazy initialisation is not captured. The result
+    replays the graph and returns the outputs of the captured call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        program(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        outputs = program(*inputs)
+
+    def replay() -> Any:
+        graph.replay()
+        return outputs
+
+    return replay
 
 
 @dataclass(frozen=True)
 class ProgramRace:
     """How programs are raced: ``timer(variant)`` (ms per call; default
-    :func:`~.timing.host_timer` of short blocks of back-to-back calls),
-    ``blocks`` interleaved blocks per comparison, and the device types on
-    which a race is worth running (``devices``; on CPU the fused op runs the
-    original ATen ops, so there is nothing to win there), and the ``margin``
-    by which a fused variant must be faster to be kept."""
+    :func:`~.timing.host_timer` of short blocks of back-to-back calls for
+    eager calling, :func:`~.timing.device_block_timer` of replays for graph
+    calling), ``blocks`` interleaved blocks per comparison, the device types
+    on which a race is worth running (``devices``; on CPU the fused op runs
+    the original ATen ops, so there is nothing to win there), the ``margin``
+    by which a fused variant must be faster to be kept, and ``capture``, how
+    a program is captured for graph calling (default :func:`capture_replay`)."""
 
     timer: VariantTimer | None = None
     blocks: int = 9
     devices: tuple[str, ...] = ("cuda",)
     margin: float = 0.03
+    capture: GraphCapture | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
@@ -300,7 +353,8 @@ def program_device(gm: GraphModule, values: Sequence[Any] = ()) -> str:
 
 
 @contextlib.contextmanager
-def race_context() -> Iterator[None]:
-    """Where variants run: no autograd, fused ops tuned for eager calls."""
-    with torch.no_grad(), timing_mode("host"):
+def race_context(calling: Calling = "eager") -> Iterator[None]:
+    """Where variants run: no autograd, fused ops tuned for the way the program
+    is called (host time for eager calls, device time for graph replays)."""
+    with torch.no_grad(), timing_mode("host" if calling == "eager" else "device"):
         yield

@@ -47,6 +47,7 @@ __all__ = [
     "TIMING_MODES",
     "cuda_event_timer",
     "current_timing_mode",
+    "device_block_timer",
     "eager_cost_timer",
     "host_issue_timer",
     "host_timer",
@@ -150,6 +151,50 @@ def cuda_event_timer(
             break
         held = 2 * enqueue + 1e-3  # the host was slower than at the probe (a loaded machine): the GPU idled
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def device_block_timer(
+    fn: Callable[[], Any], *, warmup: int = 2, reps: int = 50, max_ms: float = 30.0,
+    hold: Callable[[float], None] | None = None,
+) -> float:
+    """Milliseconds per call of ``fn`` called back to back, device time only:
+    a spinning kernel holds the GPU while the host enqueues ``reps`` calls
+    between two CUDA events, so no call waits for the host. How a program
+    replayed from a CUDA graph is timed (:mod:`.program_race`): a replay's
+    host work is not the program's, but how its kernels follow one another
+    is. The L2 is not flushed: consecutive replays of a whole program see
+    what the program itself leaves there. ``reps`` shrinks for slow
+    functions so a block takes about ``max_ms``.
+    """
+    hold = hold if hold is not None else _hold_gpu
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    issue = time.perf_counter()
+    fn()
+    issue = time.perf_counter() - issue  # host time to enqueue one call
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    hold(2 * issue + 1e-3)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(5, min(reps, int(max_ms / max(start.elapsed_time(end), 1e-3))))
+    held = 2 * reps * issue + 1e-3
+    for _ in range(3):
+        hold(held)
+        enqueue = time.perf_counter()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        enqueue = time.perf_counter() - enqueue
+        torch.cuda.synchronize()
+        if enqueue < held:
+            break
+        held = 2 * enqueue + 1e-3  # the host was slower than at the probe: the GPU idled, time again
+    return start.elapsed_time(end) / reps
 
 
 def host_timer(

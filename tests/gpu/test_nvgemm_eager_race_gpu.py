@@ -154,3 +154,46 @@ def test_a_graph_program_with_control_flow_is_fused_without_a_race(fresh_tuner):
         assert p.report.stats["fused"] == 2
         for f in (flag, -flag):
             torch.testing.assert_close(out.module()(x, f), block(x, f), rtol=3e-2, atol=3e-2)
+
+
+def test_a_failed_race_capture_leaves_the_process_whole():
+    from branchyard.errors import LoweringError
+
+    x = torch.randn(8, device="cuda")
+
+    def syncs(t):
+        y = t * 2
+        torch.cuda.synchronize()  # a host sync: refused during a capture, before it reaches CUDA
+        return y
+
+    with pytest.raises(LoweringError):
+        capture_replay(syncs, [x])
+    assert not torch.cuda.is_current_stream_capturing()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    replay = capture_replay(lambda t: t * 3, [x])  # the next capture works
+    torch.testing.assert_close(replay(), x * 3)
+    x.copy_(torch.ones(8, device="cuda"))
+    torch.testing.assert_close(replay(), torch.full((8,), 3.0, device="cuda"))  # a replay reads x anew
+
+
+def test_a_graph_program_with_work_on_the_cpu_is_fused_without_a_race(fresh_tuner):
+    class Reports(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = HostBound()
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y, y.float().sum().cpu()
+
+    torch.manual_seed(0)
+    block = Reports().cuda().to(torch.bfloat16).eval()
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ep = torch.export.export(block, (x,))
+        p = NvGemmPass("graph").bind_inputs(ep)
+        out = Pipeline([p])(ep).program
+        assert p.report.stats["race"].startswith("not raced: calling='graph' and '")
+        assert p.report.stats["race"].endswith("computes on the cpu, which a CUDA graph does not replay")
+        assert p.report.stats["fused"] == 2
+        torch.testing.assert_close(out.module()(x)[0], block(x)[0], rtol=3e-2, atol=3e-2)

@@ -604,3 +604,14 @@ def test_the_eager_race_and_an_unraced_graph_program_leave_plain_gemms_alone():
         "w=nk;residual@0;out=float32 [4x16 @ 16x16, 4x16]"}
     unraced = nvgemm(ep, calling="graph", race=ProgramRace(devices=()))
     assert _fused_specs(unraced) == ["w=nk;residual@0;out=float32"]
+
+
+def test_work_off_the_program_device_is_not_capturable():
+    from branchyard.lowering.nvgemm.fuse import _why_not_capturable
+
+    _, _, ep = _block_ep()
+    first = next(n.name for n in ep.graph_module.graph.nodes if n.op == "call_function")
+    assert _why_not_capturable(ep.graph_module, "cpu") is None
+    # the same graph as part of a CUDA program: its CPU work would run once, at capture, never again
+    assert _why_not_capturable(ep.graph_module, "cuda") == (
+        f"calling='graph' and '{first}' computes on the cpu, which a CUDA graph does not replay")

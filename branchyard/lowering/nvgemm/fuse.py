@@ -238,7 +238,7 @@ class NvGemmPass(BranchyardPass):
         if detect_fake_mode() is not None:
             return "called while tracing with fake tensors (nothing real to time)"
         if self.calling == "graph" and self.race.capture is None:
-            return _why_not_capturable(graph_module)
+            return _why_not_capturable(graph_module, device)
         return None
 
     def _race(self, graph_module: GraphModule) -> RaceResult | str:
@@ -364,20 +364,27 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _why_not_capturable(graph_module: GraphModule) -> str | None:
-    """Why one CUDA-graph capture of a call of ``graph_module`` cannot replay it
-    (``None``: it can): control flow (the CUDA-graph lowering turns it into
-    conditional nodes; a plain capture records one path), or a GPU value read
-    on the host (a sync, which invalidates a capture)."""
+def _why_not_capturable(graph_module: GraphModule, device: str = "cuda") -> str | None:
+    """Why one CUDA-graph capture of a call of ``graph_module``, a program on
+    ``device``, cannot replay it (``None``: it can): control flow (the
+    CUDA-graph lowering turns it into conditional nodes; a plain capture
+    records one path), a GPU value read on the host (a sync, which
+    invalidates a capture), or work on another device (on the CPU: done once
+    at capture, never replayed; a copy to the host syncs)."""
     for node in graph_module.graph.nodes:
         if node.op != "call_function":
             continue
+        val = node.meta.get("val")
         if isinstance(node.target, torch._ops.HigherOrderOperator):
             return (f"calling='graph' and the program has control flow ('{node.name}'), which one CUDA-graph "
                     "capture of a call cannot replay (ProgramRace(capture=...) can race it)")
-        if node.target is aten._local_scalar_dense.default or free_unbacked_symbols(node.meta.get("val")):
+        if node.target is aten._local_scalar_dense.default or free_unbacked_symbols(val):
             return (f"calling='graph' and '{node.name}' reads a GPU value on the host, which a CUDA-graph "
                     "capture cannot do")
+        off = [t.device.type for t in torch.utils._pytree.tree_leaves(val)
+               if isinstance(t, torch.Tensor) and t.device.type != device]
+        if off:
+            return f"calling='graph' and '{node.name}' computes on the {off[0]}, which a CUDA graph does not replay"
     return None
 
 

@@ -50,9 +50,9 @@ The programs are timed the way their caller runs them, under
   (the fused ops tune for replays), captured into a CUDA graph of one call
   (``ProgramRace.capture``, default :func:`capture_replay`), and its replays
   timed back to back on the device alone (:func:`~.timing.device_block_timer`).
-  A program that reads a GPU value on the host or has control flow is not
-  captured here (the pass says why, and fuses as it would without a race);
-  a fused program that fails to capture is not kept.
+  A program that has control flow, reads a GPU value on the host or computes
+  on the CPU is not captured here (the pass says why, and fuses as it would
+  without a race); a fused program that fails to capture is not kept.
 
 Inputs are the program's example inputs where it has them
 (:func:`program_inputs`), else random tensors of the placeholders' example
@@ -180,18 +180,20 @@ def _default_timer(variant: Variant) -> float:
 GraphCapture = Callable[[GraphModule, Sequence[Any]], Callable[[], Any]]
 
 
-def capture_replay(program: GraphModule, inputs: Sequence[Any]) -> Callable[[], Any]:
+def capture_replay(program: Callable[..., Any], inputs: Sequence[Any]) -> Callable[[], Any]:
     """``program(*inputs)`` captured into a CUDA graph of its own memory pool,
-    as a user captures one call with ``torch.cuda.graph``: one warm-up call on
-    a side stream first, so lazy initialisation is not captured. The result
-    replays the graph and returns the outputs of the captured call."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        program(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
+    as a user captures one call: one warm-up call first (lazy initialisation
+    is not captured), then the capture, on a stream of branchyard's own
+    (:func:`~branchyard.lowering.cuda_graph.guarded_capture.guarded_capture`:
+    a host sync during it is an error before it reaches CUDA, and a failed
+    capture leaves no stream capturing and no allocator routed to a dead
+    pool). The result replays the graph and returns the captured call's outputs."""
+    from branchyard.lowering.cuda_graph.guarded_capture import guarded_capture
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    program(*inputs)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with guarded_capture(graph, pool=torch.cuda.graph_pool_handle(), device=device, side_streams=0):
         outputs = program(*inputs)
 
     def replay() -> Any:

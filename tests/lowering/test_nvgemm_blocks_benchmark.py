@@ -64,13 +64,38 @@ def test_targets_are_judged_from_time_ratios(bench):
     assert "target rewritten >= 0.98x compile (graph): 0/1 rows pass" in text
 
 
+def test_a_row_whose_race_kept_the_program_is_judged_the_same_program(bench):
+    row = {"block": "b", "m": 1, "unrewritten_eager": 10.0, "rewritten_eager": 10.6,
+           "unrewritten_graph": 5.0, "rewritten_graph": 5.5, "same": {"eager"}}
+    text = bench.report([row], markdown=True)
+    assert "| 0.94x SAME | 0.91x FAIL |" in text
+    assert "target rewritten >= 1.00x unrewritten (eager): 1/1 rows pass (1 the same program) -> PASS" in text
+    assert "target rewritten >= 1.00x unrewritten (graph): 0/1 rows pass (0 the same program), worst 0.91x" in text
+
+
+def test_the_same_program_is_recognised_from_the_graphs(bench, monkeypatch):
+    from branchyard.lowering.nvgemm import fuse
+    from branchyard.lowering.nvgemm.program_race import ProgramRace
+
+    # on CPU no race runs: every rewritten program differs from its unrewritten one
+    rows = bench.main(["--dry-run", "--blocks", "gpt2_mlp", "--m", "1"])
+    assert rows[0]["same"] == set() and rows[0]["fused"] == "2/2"
+    # a race (on CPU, by a timer under which every fused op loses) keeps both programs as they were
+    monkeypatch.setattr(fuse, "ProgramRace", lambda: ProgramRace(
+        timer=lambda v: 1.0 + len(v.fused), devices=("cpu",), blocks=1,
+        capture=lambda gm, inputs: (lambda: gm(*inputs))))
+    rows = bench.main(["--dry-run", "--blocks", "gpt2_mlp", "--m", "1"])
+    assert rows[0]["same"] == {"eager", "graph"} and rows[0]["fused"] == "0/0"
+
+
 def test_columns_are_timed_side_by_side(bench):
     import torch
 
     order: list[str] = []
     time_us = bench._timer(torch.device("cpu"), iters=2, repeats=3)
     result = time_us({"a": lambda: order.append("a"), "b": lambda: order.append("b")})
-    assert order == ["a", "a", "b", "b"] * 3  # blocks alternate: a's block, b's block, per repeat
+    # a's block and b's block in each repeat, the first of them alternating between repeats
+    assert order == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
     assert set(result) == {"a", "b"} and all(v >= 0 for v in result.values())
 
 
@@ -87,7 +112,7 @@ def test_a_flush_runs_before_every_call_and_is_not_timed(bench):
 
     time_us = bench._timer(torch.device("cpu"), iters=3, repeats=2)
     result = time_us({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, flush=flush)
-    assert order == (["flush", "a"] * 3 + ["flush", "b"] * 3) * 2
+    assert order == ["flush", "a"] * 3 + ["flush", "b"] * 3 + ["flush", "b"] * 3 + ["flush", "a"] * 3
     assert all(v < 1000 for v in result.values()), result  # 2 ms of flush per call would be 2000 us
 
 

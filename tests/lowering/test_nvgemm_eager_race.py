@@ -615,3 +615,35 @@ def test_work_off_the_program_device_is_not_capturable():
     # the same graph as part of a CUDA program: its CPU work would run once, at capture, never again
     assert _why_not_capturable(ep.graph_module, "cuda") == (
         f"calling='graph' and '{first}' computes on the cpu, which a CUDA graph does not replay")
+
+
+def test_the_race_keeps_at_most_three_programs_alive():
+    import gc
+    import weakref
+
+    class Replay:  # stands for a captured graph and its memory pool
+        def __init__(self, gm, inputs):
+            self.gm, self.inputs = gm, inputs
+
+        def __call__(self):
+            return self.gm(*self.inputs)
+
+    block = nn.Sequential(Block(), nn.Linear(16, 16), nn.GELU()).eval()  # three groups
+    x = torch.randn(4, 16)
+    ep = torch.export.export(block, (x,))
+    alive: list[weakref.ref] = []
+    most = 0
+
+    def capture(gm, inputs):
+        nonlocal most
+        replay = Replay(gm, inputs)
+        alive.append(weakref.ref(replay))
+        gc.collect()
+        most = max(most, sum(r() is not None for r in alive))
+        return replay
+
+    clock = FakeClock(100.0, {"silu": -5.0, "residual": 5.0, "gelu": -5.0})
+    out = nvgemm(ep, calling="graph", race=_race(clock, capture=capture))
+    assert len(alive) == 5 and most == 3, (len(alive), most)  # every program captured, three at most alive
+    assert _fused_specs(out) == ["w=nk;bias@0;gelu_erf;out=float32", "w=nk;bias@0;silu;out=float32"]
+    torch.testing.assert_close(out.module()(x), block(x))

@@ -258,6 +258,10 @@ class NvGemmPass(BranchyardPass):
 
         def build(fused: frozenset[str]) -> Variant:
             if fused not in variants:
+                # The race holds the variants it still compares; the cache keeps only the
+                # unrewritten one, so at most three captured graphs (and pools) live at once.
+                for key in [k for k in variants if k]:
+                    del variants[key]
                 gm = programs.get(fused)
                 if gm is None:
                     gm = copy_graph_module(graph_module, share_tensors=True)
@@ -285,7 +289,7 @@ class NvGemmPass(BranchyardPass):
             try:
                 return self.race.run(groups, build)
             except _CaptureFailed as failed:  # a fused program that cannot be replayed is not kept
-                decisions = [RaceDecision(g, math.inf, math.nan, False) for g in groups]
+                decisions = [RaceDecision(g, math.inf, math.nan, False) for g in dict.fromkeys(groups)]
                 logger.warning("nvgemm: the program fusing %s could not be captured into a CUDA graph (%s); "
                                "left unfused", ", ".join(sorted(failed.fused)), _first_line(failed.error))
                 return RaceResult(frozenset(), decisions, math.nan, math.nan,

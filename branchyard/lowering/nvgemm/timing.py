@@ -104,6 +104,43 @@ def _hold_gpu(seconds: float) -> None:
         sleep(int(min(seconds, 0.5) * _SLEEP_HZ))
 
 
+def _probe(fn: Callable[[], Any], warmup: int, hold: Callable[[float], None],
+           after: Callable[[], Any] = lambda: None) -> tuple[float, float]:
+    """After ``warmup`` calls: the host seconds to enqueue one run (``fn`` then
+    ``after``), and the device milliseconds of one run of ``fn`` alone, timed
+    behind a hold so the host's pace does not show."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    issue = time.perf_counter()
+    fn()
+    after()
+    issue = time.perf_counter() - issue
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    hold(2 * issue + 1e-3)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return issue, max(start.elapsed_time(end), 1e-3)
+
+
+def _enqueue_held(enqueue: Callable[[], Any], held: float, hold: Callable[[float], None], retry: bool = True) -> None:
+    """Enqueue timed work behind a spinning kernel of ``held`` seconds; where the
+    host took longer than that (a loaded machine: the GPU idled between
+    launches), enqueue it again behind a hold twice as long as the host took."""
+    for _ in range(3):
+        hold(held)
+        took = time.perf_counter()
+        enqueue()
+        took = time.perf_counter() - took
+        torch.cuda.synchronize()
+        if not retry or took < held:
+            return
+        held = 2 * took + 1e-3
+
+
 def cuda_event_timer(
     fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20, max_ms: float = 400.0, device_only: bool = True,
 ) -> float:
@@ -116,40 +153,20 @@ def cuda_event_timer(
     one candidate takes about ``max_ms``.
     """
     hold = _hold_gpu if device_only else (lambda seconds: None)
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = L2Flush(device)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    host = time.perf_counter()
-    fn()
-    flush()
-    host = time.perf_counter() - host  # enqueue time of one timed run
-    torch.cuda.synchronize()
-    probe_start, probe_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    hold(2 * host + 1e-3)
-    probe_start.record()
-    fn()
-    probe_end.record()
-    torch.cuda.synchronize()
-    once = max(probe_start.elapsed_time(probe_end), 1e-3)
+    flush = L2Flush(torch.device("cuda", torch.cuda.current_device()))
+    issue, once = _probe(fn, warmup, hold, after=flush)
     reps = max(5, min(reps, int(max_ms / once)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    held = 2 * reps * host + 1e-3
-    for _ in range(3):
-        hold(held)
-        enqueue = time.perf_counter()
+
+    def enqueue() -> None:
         for s, e in zip(starts, ends):
             flush()
             s.record()
             fn()
             e.record()
-        enqueue = time.perf_counter() - enqueue
-        torch.cuda.synchronize()
-        if not device_only or enqueue < held:
-            break
-        held = 2 * enqueue + 1e-3  # the host was slower than at the probe (a loaded machine): the GPU idled
+
+    _enqueue_held(enqueue, 2 * reps * issue + 1e-3, hold, retry=device_only)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
@@ -167,33 +184,17 @@ def device_block_timer(
     functions so a block takes about ``max_ms``.
     """
     hold = hold if hold is not None else _hold_gpu
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    issue = time.perf_counter()
-    fn()
-    issue = time.perf_counter() - issue  # host time to enqueue one call
-    torch.cuda.synchronize()
+    issue, once = _probe(fn, warmup, hold)
+    reps = max(5, min(reps, int(max_ms / once)))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    hold(2 * issue + 1e-3)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(5, min(reps, int(max_ms / max(start.elapsed_time(end), 1e-3))))
-    held = 2 * reps * issue + 1e-3
-    for _ in range(3):
-        hold(held)
-        enqueue = time.perf_counter()
+
+    def enqueue() -> None:
         start.record()
         for _ in range(reps):
             fn()
         end.record()
-        enqueue = time.perf_counter() - enqueue
-        torch.cuda.synchronize()
-        if enqueue < held:
-            break
-        held = 2 * enqueue + 1e-3  # the host was slower than at the probe: the GPU idled, time again
+
+    _enqueue_held(enqueue, 2 * reps * issue + 1e-3, hold)
     return start.elapsed_time(end) / reps
 
 

@@ -21,13 +21,17 @@ replays for ``calling="graph"``. Semantics, as Python::
     def nvgemm(program, calling="eager"):
         chains = [c for c in find_epilogue_chains(program) if c.fusable]
         if program runs on CUDA and example inputs can be had and (calling == "eager" or capturable):
-            keep = race(chains, calling)  # eager: time per call, host-inclusive
-        else:                             # graph: time per replay of a CUDA graph of one call
-            keep = chains                 # CPU: the fused op runs the same ATen ops, nothing to win
+            if calling == "graph":
+                chains += [c for c in find_epilogue_chains(program) if c.plain]  # plain GEMMs
+            keep = race(chains, calling)  # eager: time per call, host-inclusive;
+                                          # graph: device time per replay of a CUDA graph of one call
+        else:                             # CPU: the fused op runs the same ATen ops, nothing to win
+            keep = chains
         return program with each chain in keep replaced by one fused op
 
-``capturable``: no control flow and no GPU value read on the host (what one
-capture of a call can replay), or a ``ProgramRace.capture`` that can.
+``capturable``: no control flow, no GPU value read on the host and no work
+off the program's device (what one capture of a call can replay), or a
+``ProgramRace.capture`` given that can.
 
 Chains are matched on the current graph one at a time, so two chains never
 claim the same node. The rewrite inserts the fused op just before the

@@ -252,7 +252,7 @@ class ProgramRace:
                 decisions.append(RaceDecision(group, with_us, without_us, keep))
                 if not keep:
                     current = without
-                del without  # the loser's program (and its captured graph) can go before the next is built
+                del without  # if it lost, its program (and captured graph) can go before the next is built
         if not current.fused:  # every group lost on its own: the last comparison timed the program as it was
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)

@@ -23,7 +23,7 @@ from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm.fuse import NvGemmPass, nvgemm
 from branchyard.lowering.nvgemm.program_race import capture_replay
-from branchyard.lowering.nvgemm.timing import device_block_timer, timing_mode
+from branchyard.lowering.nvgemm.timing import device_block_timer, time_round_robin, timing_mode
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 #: How much slower than the unrewritten program the result may measure (timing noise).
@@ -99,11 +99,7 @@ def test_rewritten_module_is_not_slower_eagerly_and_matches(fresh_tuner, m):
 
 def _replay_us(replays: dict[str, object], blocks: int = 9) -> dict[str, float]:
     """Median device us per replay of each, in interleaved blocks."""
-    times: dict[str, list[float]] = {k: [] for k in replays}
-    names = list(replays)
-    for i in range(blocks):
-        for name in names if i % 2 == 0 else reversed(names):
-            times[name].append(device_block_timer(replays[name]) * 1e3)
+    times = time_round_robin(replays, blocks, lambda _, replay: device_block_timer(replay) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -37,7 +37,8 @@ each called eagerly (``*_eager``) and replayed from a CUDA graph of one call
 warmed up and captured under ``nvgemm.timing_mode("device")``, its eager
 column under the default host timing). Before timing, every column's output
 is checked against the eager block in fp32. ``fused`` gives how many fused
-ops the two rewritten programs hold (eager/graph). Where the race kept the
+ops the two rewritten programs hold (eager/graph), ``m`` marking one whose
+sibling GEMMs (q, k, v) were merged into one. Where the race kept the
 program as it was (the rewritten graph's code is the unrewritten one's),
 the target's verdict is ``SAME``, not PASS or FAIL: the two columns time one
 program, so their ratio is timing noise; the summary counts such rows apart.
@@ -216,7 +217,7 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
         time_us = _timer(device, iters, repeats)
         # how many fused ops each rewritten program kept, and which ones the race left as they were
         row: dict[str, float | str] = {"block": spec.name, "m": m,
-                                       "fused": f"{fused_ops(eager_prog)}/{fused_ops(graph_prog)}",
+                                       "fused": f"{fused_ops(eager_prog, ep)}/{fused_ops(graph_prog, ep)}",
                                        "same": {how for how, prog in (("eager", eager_prog), ("graph", graph_prog))
                                                 if prog.graph_module.code == ep.graph_module.code}}
         eager, graphs = {}, {}
@@ -234,10 +235,13 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
     return row
 
 
-def fused_ops(program) -> int:
-    """The fused op's calls in ``program``'s graph (both overloads)."""
+def fused_ops(program, unrewritten=None) -> str:
+    """The fused op's calls in ``program``'s graph (both overloads), with ``m`` appended
+    where sibling GEMMs were merged (fewer ``cat`` nodes than ``unrewritten``)."""
     packet = torch.ops.branchyard.fused_gemm_epilogue
-    return sum(n.op == "call_function" and n.target in (packet.default, packet.out) for n in program.graph.nodes)
+    fused = sum(n.op == "call_function" and n.target in (packet.default, packet.out) for n in program.graph.nodes)
+    cats = lambda p: sum(n.target is torch.ops.aten.cat.default for n in p.graph.nodes)  # noqa: E731
+    return f"{fused}m" if unrewritten is not None and cats(program) < cats(unrewritten) else str(fused)
 
 
 def ratios(row: dict) -> dict[str, float | None]:

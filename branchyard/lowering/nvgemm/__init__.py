@@ -20,6 +20,7 @@ checks):
 ``epilogue.py``           the epilogue table (match, formula, kernel formula, cuBLAS
                           coverage, eager op per row), ``EpilogueSpec``, reference semantics
 ``matcher.py``            matmul roots and the chain walk (match or reason)
+``siblings.py``           sibling GEMMs (one input, concatenated outputs) merged into one
 ``program_race.py``       the program race: rewritten vs unrewritten program, called eagerly
                           (host time included) or replayed from a CUDA graph
 ``fuse.py``               ``NvGemmPass``: rewrite each fusable chain into the fused op
@@ -81,6 +82,7 @@ from branchyard.lowering.nvgemm.epilogue import (
 from branchyard.lowering.nvgemm.fuse import NvGemmPass, nvgemm
 from branchyard.lowering.nvgemm.matcher import EpilogueChain, find_epilogue_chains
 from branchyard.lowering.nvgemm.op import NvGemmFallbackWarning, fused_gemm_epilogue
+from branchyard.lowering.nvgemm.siblings import MergeResult, MergeSiblingGemms, merge_sibling_gemms
 from branchyard.lowering.nvgemm.timing import current_timing_mode, timing_mode
 
 __all__ = [
@@ -92,10 +94,13 @@ __all__ = [
     "EpilogueOp",
     "EpilogueSpec",
     "EpilogueStep",
+    "MergeResult",
+    "MergeSiblingGemms",
     "NvGemmFallbackWarning",
     "NvGemmPass",
     "find_epilogue_chains",
     "fused_gemm_epilogue",
+    "merge_sibling_gemms",
     "nvgemm",
     "reference_fused_gemm",
     "current_timing_mode",

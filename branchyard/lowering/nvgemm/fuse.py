@@ -76,6 +76,9 @@ from branchyard.lowering.nvgemm.program_race import (
     program_inputs,
     race_context,
 )
+from branchyard.lowering.nvgemm.siblings import merge_sibling_gemms
+from torch.export.graph_signature import InputKind
+
 from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules
 from branchyard.fx.pass_infra import BranchyardPass, Pipeline, Program
 
@@ -273,14 +276,7 @@ class NvGemmPass(BranchyardPass):
                 if fused:
                     for m in iter_graph_modules(gm):
                         m.recompile()
-                run = lambda gm=gm: gm(*inputs)  # noqa: E731
-                run()  # warm-up: the fused ops tune here, for the way the program is called
-                if calling == "graph":
-                    try:
-                        run = capture(gm, inputs)
-                    except Exception as exc:
-                        raise _CaptureFailed(fused, exc) from exc
-                variants[fused] = Variant(fused, run, gm, calling)
+                variants[fused] = self._variant(fused, gm, inputs, capture)
             return variants[fused]
 
         with race_context(calling):
@@ -299,6 +295,37 @@ class NvGemmPass(BranchyardPass):
                 return RaceResult(frozenset(), decisions, math.nan, math.nan,
                                   failure=f"the program fusing {len(failed.fused)} group(s) could not be captured "
                                           f"into a CUDA graph: {_first_line(failed.error)}")
+
+    def _variant(self, fused: frozenset[str], gm: GraphModule, inputs: Sequence[Any],
+                 capture: Any) -> Variant:
+        """``gm`` called on ``inputs`` as the caller will call it: warmed up (its fused ops
+        tune here, for that calling), and for graph calling captured into a CUDA graph."""
+        run = lambda: gm(*inputs)  # noqa: E731
+        run()
+        if self.calling == "graph":
+            try:
+                run = capture(gm, inputs)
+            except Exception as exc:
+                raise _CaptureFailed(fused, exc) from exc
+        return Variant(fused, run, gm, self.calling)
+
+    def race_programs(self, label: str, candidate: tuple[GraphModule, Sequence[Any]],
+                      baseline: tuple[GraphModule, Sequence[Any]]) -> RaceResult | str:
+        """Race ``candidate`` against ``baseline`` (each a graph and its inputs), called
+        the way this pass's programs are called; the candidate must win by the
+        race's margin. One group, ``label``, fused in the candidate; or why no race ran."""
+        why_not = self._why_not_race(candidate[0]) or self._why_not_race(baseline[0])
+        if why_not is not None:
+            return why_not
+        capture = self.race.capture or capture_replay
+        programs = {frozenset({label}): candidate, frozenset(): baseline}
+        with race_context(self.calling):
+            try:
+                return self.race.run([label], lambda fused: self._variant(fused, *programs[fused], capture))
+            except _CaptureFailed as failed:
+                return f"a program could not be captured into a CUDA graph: {_first_line(failed.error)}"
+            except Exception as exc:
+                return f"a program failed on the race inputs: {_first_line(exc)}"
 
     def run(self, graph_module: GraphModule) -> bool:
         self.race_result = None
@@ -396,7 +423,8 @@ def _why_not_capturable(graph_module: GraphModule, device: str = "cuda") -> str 
     return None
 
 
-def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | None = None) -> Program:
+def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | None = None,
+           merge_siblings: bool = True) -> Program:
     """Function form of :class:`NvGemmPass`: a rewritten copy of ``program``
     (an ``ExportedProgram`` or an ATen-level ``GraphModule``).
 
@@ -407,6 +435,17 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     ``calling="graph"`` for a program replayed from a CUDA graph: chains
     that its replays are faster without stay unfused. ``race`` as in
     :class:`NvGemmPass`.
+
+    ``merge_siblings`` first merges GEMMs that read one input with constant
+    weights and whose outputs are concatenated (attention's q, k, v) into one
+    GEMM (:mod:`.siblings`). Where the program is raced, the merged and fused
+    program must beat ``program`` itself by the race's margin, called the same
+    way; otherwise the result is ``program`` fused without the merge::
+
+        merged = merge_sibling_gemms(program)
+        result = fuse(merged)                  # the race above, on the merged program
+        if raced and not wins(result, program):
+            result = fuse(program)
 
     >>> import torch
     >>> class MLP(torch.nn.Module):
@@ -420,5 +459,48 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     >>> [n.args[3] for n in fused.graph.nodes if n.op == "call_function"]
     ['w=nk;bias@0;gelu_erf;out=float32']
     """
-    the_pass = NvGemmPass(check_calling(calling), race=race).bind_inputs(program)
-    return Pipeline([the_pass], steps=1)(program).program
+    calling = check_calling(calling)
+    merged = merge_sibling_gemms(program) if merge_siblings else None
+    if merged is None or not merged.changed:
+        return _fused(program, calling, race)[0]
+    result, the_pass = _fused(merged.program, calling, race)
+    label = "merged " + "; ".join(merged.groups)
+    original_gm = program if isinstance(program, GraphModule) else program.graph_module
+    result_gm = result if isinstance(result, GraphModule) else result.graph_module
+    if the_pass._why_not_race(original_gm) is not None:
+        return result  # not raced (CPU, tracing, ...): the merge is kept, as unraced chains are
+    inputs = _race_inputs(program, result)
+    if isinstance(inputs, str):
+        logger.info("nvgemm: %s not raced against the program (%s); kept", label, inputs)
+        return result
+    raced = the_pass.race_programs(label, (result_gm, inputs[1]), (original_gm, inputs[0]))
+    if isinstance(raced, RaceResult) and raced.fused:
+        logger.info("nvgemm: %s: kept (%.1f us against %.1f us without)", label, raced.result_us,
+                    raced.unrewritten_us)
+        return result
+    why = (f"{raced.unrewritten_us:.1f} us without against {raced.decisions[-1].fused_us:.1f} us with it"
+           if isinstance(raced, RaceResult) and raced.decisions else str(raced))
+    logger.info("nvgemm: %s: not kept (%s)", label, why)
+    return _fused(program, calling, race)[0]
+
+
+def _fused(program: Program, calling: Calling, race: ProgramRace | None) -> tuple[Program, NvGemmPass]:
+    the_pass = NvGemmPass(calling, race=race).bind_inputs(program)
+    return Pipeline([the_pass], steps=1)(program).program, the_pass
+
+
+def _race_inputs(original: Program, rewritten: Program) -> tuple[list[Any], list[Any]] | str:
+    """Placeholder values of ``original`` and of ``rewritten`` (the same program with
+    sibling GEMMs merged: the same user inputs, more constants), the user inputs shared."""
+    original_gm = original if isinstance(original, GraphModule) else original.graph_module
+    base, why_not = placeholder_inputs(original_gm, program_inputs(original))
+    if base is None:
+        return why_not or "no inputs"
+    if isinstance(original, GraphModule):
+        return base, base
+    user = iter(v for v, spec in zip(base, original.graph_signature.input_specs)
+                if spec.kind == InputKind.USER_INPUT)
+    owned = program_inputs(rewritten) or []
+    values = [next(user) if spec.kind == InputKind.USER_INPUT else value
+              for value, spec in zip(owned, rewritten.graph_signature.input_specs)]
+    return base, values

@@ -436,16 +436,18 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     that its replays are faster without stay unfused. ``race`` as in
     :class:`NvGemmPass`.
 
-    ``merge_siblings`` first merges GEMMs that read one input with constant
+    ``merge_siblings`` also merges GEMMs that read one input with constant
     weights and whose outputs are concatenated (attention's q, k, v) into one
-    GEMM (:mod:`.siblings`). Where the program is raced, the merged and fused
-    program must beat ``program`` itself by the race's margin, called the same
-    way; otherwise the result is ``program`` fused without the merge::
+    GEMM (:mod:`.siblings`). Where the program is raced, the merge is kept
+    only if the merged program, fused, beats the program fused without it
+    (called the same way, by the race's margin)::
 
+        result = fuse(program)                 # the race above
         merged = merge_sibling_gemms(program)
-        result = fuse(merged)                  # the race above, on the merged program
-        if raced and not wins(result, program):
-            result = fuse(program)
+        if merged changed anything:
+            candidate = fuse(merged)
+            if not raced or wins(candidate, result):
+                result = candidate
 
     >>> import torch
     >>> class MLP(torch.nn.Module):
@@ -463,25 +465,28 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     merged = merge_sibling_gemms(program) if merge_siblings else None
     if merged is None or not merged.changed:
         return _fused(program, calling, race)[0]
-    result, the_pass = _fused(merged.program, calling, race)
+    candidate, the_pass = _fused(merged.program, calling, race)
     label = "merged " + "; ".join(merged.groups)
-    original_gm = program if isinstance(program, GraphModule) else program.graph_module
-    result_gm = result if isinstance(result, GraphModule) else result.graph_module
-    if the_pass._why_not_race(original_gm) is not None:
-        return result  # not raced (CPU, tracing, ...): the merge is kept, as unraced chains are
-    inputs = _race_inputs(program, result)
+    if the_pass._why_not_race(_graph_module(program)) is not None:
+        return candidate  # not raced (CPU, tracing, ...): the merge is kept, as unraced chains are
+    result = _fused(program, calling, race)[0]
+    inputs = _race_inputs(program, candidate)
     if isinstance(inputs, str):
-        logger.info("nvgemm: %s not raced against the program (%s); kept", label, inputs)
-        return result
-    raced = the_pass.race_programs(label, (result_gm, inputs[1]), (original_gm, inputs[0]))
+        logger.info("nvgemm: %s: not raced (%s); kept", label, inputs)
+        return candidate
+    raced = the_pass.race_programs(label, (_graph_module(candidate), inputs[1]), (_graph_module(result), inputs[0]))
     if isinstance(raced, RaceResult) and raced.fused:
         logger.info("nvgemm: %s: kept (%.1f us against %.1f us without)", label, raced.result_us,
                     raced.unrewritten_us)
-        return result
-    why = (f"{raced.unrewritten_us:.1f} us without against {raced.decisions[-1].fused_us:.1f} us with it"
+        return candidate
+    why = (f"{raced.decisions[-1].fused_us:.1f} us with it against {raced.unrewritten_us:.1f} us without"
            if isinstance(raced, RaceResult) and raced.decisions else str(raced))
     logger.info("nvgemm: %s: not kept (%s)", label, why)
-    return _fused(program, calling, race)[0]
+    return result
+
+
+def _graph_module(program: Program) -> GraphModule:
+    return program if isinstance(program, GraphModule) else program.graph_module
 
 
 def _fused(program: Program, calling: Calling, race: ProgramRace | None) -> tuple[Program, NvGemmPass]:
@@ -492,8 +497,7 @@ def _fused(program: Program, calling: Calling, race: ProgramRace | None) -> tupl
 def _race_inputs(original: Program, rewritten: Program) -> tuple[list[Any], list[Any]] | str:
     """Placeholder values of ``original`` and of ``rewritten`` (the same program with
     sibling GEMMs merged: the same user inputs, more constants), the user inputs shared."""
-    original_gm = original if isinstance(original, GraphModule) else original.graph_module
-    base, why_not = placeholder_inputs(original_gm, program_inputs(original))
+    base, why_not = placeholder_inputs(_graph_module(original), program_inputs(original))
     if base is None:
         return why_not or "no inputs"
     if isinstance(original, GraphModule):

@@ -192,8 +192,9 @@ def test_merge_rejects_what_is_not_a_program():
         merge_sibling_gemms(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("decompose", [False, True])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_concatenations_of_linears_match_the_program(seed):
+def test_random_concatenations_of_linears_match_the_program(seed, decompose):
     rng = random.Random(seed)
     k = rng.choice([4, 8, 12])
 
@@ -210,8 +211,11 @@ def test_random_concatenations_of_linears_match_the_program(seed):
             return torch.cat(parts, dim=-1)
 
     m = Random()
-    args = (torch.randn(3, k), torch.randn(3, k))
+    args = (torch.randn(*rng.choice([(3,), (2, 3)]), k), torch.randn(3, k))
+    args = (args[0], torch.randn(*args[0].shape))
     ep = torch.export.export(m, args)
+    if decompose:
+        ep = ep.run_decompositions()
     merged = merge_sibling_gemms(ep)
     with torch.no_grad():
         torch.testing.assert_close(merged.program.module()(*args), m(*args), rtol=1e-5, atol=1e-5)
@@ -224,7 +228,8 @@ def test_random_concatenations_of_linears_match_the_program(seed):
         runs += length >= 2
         current, length = kind, 1
     assert len(merged.groups) == runs
-    assert _count(merged.program, aten.linear.default) == _count(ep, aten.linear.default) - sum(
+    gemms = (aten.linear.default, aten.addmm.default, aten.mm.default)
+    assert sum(_count(merged.program, g) for g in gemms) == sum(_count(ep, g) for g in gemms) - sum(
         int(g.split()[0]) - 1 for g in merged.groups)
 
 
@@ -289,3 +294,51 @@ def test_a_program_with_a_dynamic_batch_merges_and_stays_dynamic():
         x = (torch.randn(n, 16), torch.randn(n, 16))
         with torch.no_grad():
             _close(merged.module()(*x), m(*x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+@pytest.mark.parametrize("form", ["run_decompositions", "make_fx"])
+def test_decomposed_linears_merge_too(form, bias, lead):
+    """``[view ->] addmm(b, x, permute(w)) [-> view]`` (and ``mm``, ``t``): the forms
+    ``run_decompositions`` and ``make_fx`` give a linear."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    m = QKV(bias=bias).eval()
+    args = (torch.randn(*lead, 16), torch.randn(*lead, 16))
+    if form == "make_fx":
+        program = make_fx(m)(*args)
+        run = program
+    else:
+        program = torch.export.export(m, args).run_decompositions()
+        run = program.module()
+    gemm = aten.addmm.default if bias else aten.mm.default
+    assert _count(program, gemm) == 4
+    merged = merge_sibling_gemms(program)
+    assert len(merged.groups) == 1 and merged.groups[0].startswith("3 GEMMs of ")
+    assert _count(merged.program, gemm) == 2 and _count(merged.program, aten.cat.default) == 0
+    # no view or transpose of the merged parts is left behind: four linears' worth before, two after
+    views = (aten.view.default, aten._unsafe_view.default, aten.t.default, aten.permute.default)
+    before = sum(n.target in views for n in program.graph.nodes)
+    assert sum(n.target in views for n in merged.program.graph.nodes) * 2 == before > 0
+    fast = merged.program if form == "make_fx" else merged.program.module()
+    with torch.no_grad():
+        _close(fast(*args), run(*args))
+
+
+def test_a_transposed_weight_used_elsewhere_keeps_its_gemm_apart():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False)
+
+        def forward(self, x):
+            wt = self.k.weight.t()
+            return torch.cat([x @ self.q.weight.t(), x @ wt], dim=-1), wt * 2
+
+    m = Tied()
+    args = (torch.randn(3, 8),)
+    ep = torch.export.export(m, args).run_decompositions()
+    merged = merge_sibling_gemms(ep)
+    assert not merged.changed
+    assert any("has other users" in s.reason for s in merged.report.skips), merged.report

@@ -82,11 +82,19 @@ ConstantOf = Callable[[Node], "torch.Tensor | None"]
 
 @dataclass(frozen=True)
 class _Part:
-    """One GEMM of a run: its node, input, weight and bias nodes and their values."""
+    """One GEMM of a run. ``out`` is what the cat reads (the GEMM, or a view of it
+    that regroups its leading dims: ``view(addmm(b, view(x), t(w)))``, a 3-D
+    ``linear`` decomposed); ``a`` the GEMM's input and ``source`` what it views (the
+    same for the input of every member of a run); ``weight`` the constant node and
+    ``wrap`` the transpose between it and the GEMM (``None``: none); ``layout`` the
+    constant's own layout (``nk``: ``[N, K]``)."""
 
     node: Node
+    out: Node
     a: Node
+    source: tuple[Any, ...]
     weight: Node
+    wrap: Node | None
     bias: Node | None
     w: torch.Tensor
     b: torch.Tensor | None
@@ -118,22 +126,56 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
-def _part(node: Node, constant: ConstantOf, cat: Node) -> _Part | str:
-    """``node`` as a run member, or why it is not one."""
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_TRANSPOSES = (aten.t.default, aten.permute.default)
+
+
+def _is_transpose(node: Any) -> bool:
+    return (isinstance(node, Node) and node.target in _TRANSPOSES
+            and (node.target is aten.t.default or list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])))
+
+
+def _views_a_gemm(node: Node) -> bool:
+    return node.target in _VIEWS and isinstance(node.args[0], Node) and node.args[0].target in _GEMMS
+
+
+def _source(a: Node) -> tuple[Any, ...]:
+    """What a GEMM input is, for comparing inputs: a view's source and shape, else the node."""
+    if a.target in _VIEWS and isinstance(a.args[0], Node):
+        return (a.args[0], tuple(_val(a).shape) if isinstance(_val(a), torch.Tensor) else id(a))
+    return (a,)
+
+
+def _part(item: Node, constant: ConstantOf, cat: Node) -> _Part | str:
+    """``item`` (a concatenated value) as a run member, or why it is not one."""
+    node = item
+    if _views_a_gemm(item):
+        node = item.args[0]  # view(gemm(...)): a decomposed N-D linear
+        if list(node.users) != [item]:
+            return f"'{node.name}' is used by more than the concatenation"
+        inner, outer = _val(node), _val(item)
+        if not (isinstance(inner, torch.Tensor) and isinstance(outer, torch.Tensor) and inner.dim() == 2
+                and outer.shape[-1] == inner.shape[-1]):
+            return f"'{item.name}' reshapes more than the leading dims of '{node.name}'"
     spec = _GEMMS.get(node.target)
     if spec is None:
         return f"'{node.name}' is not linear, mm, matmul or addmm"
     w_at, b_at, layout = spec
     if node.target is aten.addmm.default and (node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1):
         return f"'{node.name}' scales with alpha / beta"
-    if list(node.users) != [cat]:
-        return f"'{node.name}' is used by more than the concatenation"
+    if list(item.users) != [cat]:
+        return f"'{item.name}' is used by more than the concatenation"
     a, weight = (node.args[0] if node.target is not aten.addmm.default else node.args[1]), node.args[w_at]
     bias = node.kwargs.get("bias") if node.target is aten.linear.default else None
     if b_at is not None and len(node.args) > b_at and bias is None:
         bias = node.args[b_at]
     if not isinstance(a, Node) or not isinstance(weight, Node):
         return f"'{node.name}' has a non-graph input or weight"
+    wrap = None
+    if layout == "kn" and _is_transpose(weight) and isinstance(weight.args[0], Node):
+        if len(weight.users) != 1:
+            return f"the transposed weight '{weight.name}' of '{node.name}' has other users"
+        wrap, weight, layout = weight, weight.args[0], "nk"
     w = constant(weight)
     if not isinstance(w, torch.Tensor):
         return f"the weight '{weight.name}' of '{node.name}' is not a constant of the program"
@@ -145,13 +187,14 @@ def _part(node: Node, constant: ConstantOf, cat: Node) -> _Part | str:
         n = w.shape[0] if layout == "nk" else w.shape[1]
         if not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,):
             return f"the bias of '{node.name}' is not a constant of shape [{n}]"
-    return _Part(node, a, weight, bias if b is not None else None, w, b, layout)
+    return _Part(node, item, a, _source(a), weight, wrap, bias if b is not None else None, w, b, layout)
 
 
 def _joins(run: list[_Part], p: _Part) -> bool:
     """Whether ``p`` can join ``run``: one kind of GEMM on one input, weights of one K, dtype and device."""
     first = run[0]
-    return (p.node.target is first.node.target and p.a is first.a and p.layout == first.layout
+    return (p.node.target is first.node.target and p.source == first.source and p.layout == first.layout
+            and (p.wrap is None) == (first.wrap is None) and (p.out is p.node) == (first.out is first.node)
             and p.k == first.k and p.w.dtype == first.w.dtype and p.w.device == first.w.device
             and (p.b is None) == (first.b is None)
             and (p.b is None or (p.b.dtype == first.b.dtype and p.b.device == first.b.device))  # type: ignore[union-attr]
@@ -195,7 +238,7 @@ class MergeSiblingGemms(BranchyardPass):
             parts: list[Any] = list(cat.args[0])
             runs = self._runs(cat, parts, constant)
             for run in reversed(runs):  # from the back, so earlier indices stay valid
-                start = parts.index(run[0].node)
+                start = parts.index(run[0].out)
                 name = _group_name(run)
                 if self.only is not None and name not in self.only:
                     continue
@@ -212,8 +255,8 @@ class MergeSiblingGemms(BranchyardPass):
                 graph_module.graph.erase_node(cat)
             else:
                 cat.args = (parts, *cat.args[1:])
-            for node in replaced:  # the merged GEMMs, now without users
-                graph_module.graph.erase_node(node)
+            for node in replaced:  # the merged parts, and what only they used (views, transposes)
+                _erase_dead(graph_module.graph, node)
         self.report.stats.update(merged=len(self.merged), groups=[g.name for g in self.merged])
         return bool(self.merged)
 
@@ -223,7 +266,7 @@ class MergeSiblingGemms(BranchyardPass):
         for item in parts:
             part = _part(item, constant, cat) if isinstance(item, Node) else "not a graph value"
             if isinstance(part, str):
-                if isinstance(item, Node) and item.target in _GEMMS:
+                if isinstance(item, Node) and (item.target in _GEMMS or _views_a_gemm(item)):
                     self.skip(item, f"not merged with its siblings: {part}")
                 current = []
             elif current and _joins(current, part):
@@ -250,6 +293,8 @@ class MergeSiblingGemms(BranchyardPass):
         with graph.inserting_before(first.node):
             w_node = self._constant_node(gm, weight_attr, w, mode)
             b_node = self._constant_node(gm, bias_attr, b, mode) if bias_attr is not None else None
+            if first.wrap is not None:
+                w_node = emit(graph, first.wrap.target, (w_node, *first.wrap.args[1:]), like=first.wrap)
             target = first.node.target
             if target is aten.linear.default:
                 args: tuple = (first.a, w_node) + ((b_node,) if b_node is not None else ())
@@ -258,6 +303,9 @@ class MergeSiblingGemms(BranchyardPass):
             else:
                 args = (first.a, w_node)
             merged = emit(graph, target, args, like=first.node)
+            if first.out is not first.node:  # view(gemm): the same view, to the merged width
+                shape = [*_val(first.out).shape[:-1], sum(p.n for p in run)]
+                merged = emit(graph, first.out.target, (merged, shape), like=first.out)
         for key in ("nn_module_stack", "source_fn_stack"):
             if key in first.node.meta:
                 merged.meta[key] = first.node.meta[key]
@@ -286,9 +334,22 @@ class MergeSiblingGemms(BranchyardPass):
         return node
 
 
+def _erase_dead(graph: Any, node: Node) -> None:
+    """Erase ``node`` if nothing uses it, then its inputs that only it used
+    (views and transposes of a merged part; constants and inputs stay)."""
+    if node.users or node.op != "call_function":
+        return
+    inputs = list(node.all_input_nodes)
+    graph.erase_node(node)
+    for n in inputs:
+        if n.target in _GEMMS or n.target in _VIEWS or n.target in _TRANSPOSES:
+            _erase_dead(graph, n)
+
+
 def _group_name(run: list[_Part]) -> str:
     n = sum(p.n for p in run)
-    return (f"{len(run)} GEMMs of {run[0].a.name} ({', '.join(p.node.name for p in run)}) as one: "
+    a = run[0].source[0] if len(run[0].source) > 1 else run[0].a
+    return (f"{len(run)} GEMMs of {a.name} ({', '.join(p.node.name for p in run)}) as one: "
             f"{run[0].k} x {n}")
 
 

@@ -342,3 +342,40 @@ def test_a_transposed_weight_used_elsewhere_keeps_its_gemm_apart():
     merged = merge_sibling_gemms(ep)
     assert not merged.changed
     assert any("has other users" in s.reason for s in merged.report.skips), merged.report
+
+
+def test_a_weight_the_program_writes_is_not_a_constant():
+    class Drifts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False)
+            self.register_buffer("wk", torch.randn(4, 8))
+
+        def forward(self, x):
+            out = torch.cat([self.q(x), torch.nn.functional.linear(x, self.wk)], dim=-1)
+            self.wk.add_(1.0)  # the program updates its own weight
+            return out
+
+    m = Drifts()
+    args = (torch.randn(3, 8),)
+    ep = torch.export.export(m, args)
+    merged = merge_sibling_gemms(ep)
+    assert not merged.changed
+    assert any("is not a constant of the program" in s.reason for s in merged.report.skips), merged.report
+
+
+def test_nvgemm_goes_on_without_the_merge_when_it_fails(monkeypatch, caplog):
+    import branchyard.lowering.nvgemm.fuse as fuse
+
+    def broken(program):
+        raise RuntimeError("CUDA out of memory while concatenating")
+
+    monkeypatch.setattr(fuse, "merge_sibling_gemms", broken)
+    m = QKV().eval()
+    args = (torch.randn(4, 16), torch.randn(4, 16))
+    ep = torch.export.export(m, args)
+    with caplog.at_level("WARNING", logger="branchyard"):
+        out = nvgemm(ep)
+    assert "nvgemm: sibling GEMMs not merged: RuntimeError: CUDA out of memory" in caplog.text
+    assert _count(out, aten.cat.default) == 1
+    assert _count(out, torch.ops.branchyard.fused_gemm_epilogue.default) == 1

@@ -462,7 +462,12 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     ['w=nk;bias@0;gelu_erf;out=float32']
     """
     calling = check_calling(calling)
-    merged = merge_sibling_gemms(program) if merge_siblings else None
+    merged = None
+    if merge_siblings:
+        try:
+            merged = merge_sibling_gemms(program)
+        except Exception as exc:  # an optimisation that cannot be made must not cost the rewrite
+            logger.warning("nvgemm: sibling GEMMs not merged: %s", _first_line(exc))
     if merged is None or not merged.changed:
         return _fused(program, calling, race)[0]
     candidate, the_pass = _fused(merged.program, calling, race)

@@ -353,9 +353,14 @@ def _group_name(run: list[_Part]) -> str:
             f"{run[0].k} x {n}")
 
 
+def _written(node: Node) -> bool:
+    """Whether an op that may write its inputs reads ``node`` (then its value is not a constant)."""
+    return any(isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in node.users)
+
+
 def _get_attr_constant(gm: GraphModule) -> ConstantOf:
     def constant(node: Node) -> torch.Tensor | None:
-        if node.op != "get_attr" or "." in str(node.target):
+        if node.op != "get_attr" or "." in str(node.target) or _written(node):
             return None  # a submodule's attribute is not the copy's to alias (see merge_sibling_gemms)
         try:
             value = resolve_attr(gm, str(node.target))
@@ -428,10 +433,11 @@ def _merge_exported(ep: ExportedProgram, only: frozenset[str] | None) -> MergeRe
     owned = {n: spec for n, spec in zip(placeholders, sig.input_specs)
              if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)}
     target_of = {n.name: spec.target for n, spec in owned.items()}
+    mutated = set(sig.buffers_to_mutate.values())
 
     def constant(node: Node) -> torch.Tensor | None:
         spec = owned.get(node)
-        if spec is None:
+        if spec is None or spec.target in mutated or _written(node):
             return None
         value = ep.state_dict.get(spec.target) if spec.target in ep.state_dict else ep.constants.get(spec.target)
         return value if isinstance(value, torch.Tensor) else None

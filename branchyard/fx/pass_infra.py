@@ -230,7 +230,12 @@ class Pipeline:
     * ``steps`` > 1 repeats the whole list until nothing changes (fixed point);
     * an ExportedProgram is rebuilt with the rewritten graph and verified;
     * an error raised by a pass reaches the caller as itself, not wrapped in
-      the bare ``Exception`` torch's ``PassManager`` raises.
+      the bare ``Exception`` torch's ``PassManager`` raises;
+    * a pass with a ``rewrite_program(program) -> PipelineResult`` method
+      rewrites the whole program itself (it may change what the program owns,
+      e.g. add constants, which a graph pass inside an ExportedProgram cannot):
+      the passes before it run as one pipeline, then it, then the rest
+      (``steps`` applies to each run of graph passes).
     """
 
     def __init__(self, passes: Sequence[PassBase], *, lint: bool = True, steps: int = 1) -> None:
@@ -266,6 +271,42 @@ class Pipeline:
 
     def __call__(self, program: Program) -> PipelineResult:
         _check_input(program)
+        if any(_rewrites_programs(p) for p in self.passes):
+            return self._run_segments(program)
+        return self.run_graph_passes(program)
+
+    def _run_segments(self, program: Program) -> PipelineResult:
+        """Runs of graph passes as pipelines and program-level passes on their own, in order."""
+        reports: list[PassReport] = []
+        modified = False
+        segment: list[PassBase] = []
+
+        def flush(program: Any) -> Any:
+            nonlocal modified
+            if not segment:
+                return program
+            res = Pipeline(segment, lint=self.lint, steps=self.steps)(program)
+            segment.clear()
+            reports.extend(res.reports)
+            modified = modified or res.modified
+            return res.program
+
+        for p in self.passes:
+            if not _rewrites_programs(p):
+                segment.append(p)
+                continue
+            program = flush(program)
+            res = p.rewrite_program(program)  # type: ignore[attr-defined]
+            reports.extend(res.reports)
+            modified = modified or res.modified
+            program = res.program
+        program = flush(program)
+        return PipelineResult(program, modified, reports)
+
+    def run_graph_passes(self, program: Program) -> PipelineResult:
+        """Run every pass as a graph pass (none's ``rewrite_program``): what a
+        ``rewrite_program`` calls to run its own graph pass."""
+        _check_input(program)
         if self.lint:
             lint_graph_module(program if isinstance(program, GraphModule) else program.graph_module)
         if isinstance(program, GraphModule):
@@ -289,6 +330,10 @@ class Pipeline:
                 out.validate()
         reports = [p.report for p in self.passes if isinstance(p, BranchyardPass)]
         return PipelineResult(out, modified, reports)
+
+
+def _rewrites_programs(p: PassBase) -> bool:
+    return callable(getattr(p, "rewrite_program", None))
 
 
 @contextlib.contextmanager

@@ -323,3 +323,54 @@ def test_other_errors_of_a_pass_reach_the_caller_unwrapped():
         # The pass's own error, not torch's PassManager wrapper naming an internal step.
         with pytest.raises(ValueError, match="boom inside the pass"):
             apply_pass(program, Boom())
+
+
+class MulToSub(BranchyardPass):
+    """x * y  ->  x - y (a second graph pass, to see the order passes ran in)."""
+
+    name = "mul_to_sub"
+
+    def run(self, gm: GraphModule) -> bool:
+        changed = False
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is torch.mul:
+                node.target = torch.sub
+                changed = True
+        return changed
+
+
+class WholeProgram(BranchyardPass):
+    """A pass that rewrites whole programs: it sees the program as the passes
+    before it left it and hands back its own result."""
+
+    name = "whole_program"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list] = []
+
+    def run(self, gm: GraphModule) -> bool:
+        raise AssertionError("a program-level pass is not run as a graph pass")
+
+    def rewrite_program(self, program):
+        from branchyard.fx.pass_infra import PipelineResult
+
+        self.seen.append([n.target for n in program.graph.nodes if n.op == "call_function"])
+        self.report.stats["saw"] = len(self.seen)
+        return PipelineResult(program, False, [self.report])
+
+
+def test_a_program_level_pass_runs_between_the_graph_passes_around_it():
+    gm = _gm()
+    whole = WholeProgram()
+    first, last = AddToMul(), MulToSub()
+    result = Pipeline([first, whole, last])(gm)
+    assert whole.seen == [[torch.mul, torch.add]]  # after add_to_mul, before mul_to_sub
+    assert [n.target for n in result.program.graph.nodes if n.op == "call_function"] == [torch.sub, torch.add]
+    assert result.modified is True
+    assert result.reports == [first.report, whole.report, last.report]
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.add, torch.add], "input must not be mutated"
+    # run_graph_passes does not delegate
+    with pytest.raises(AssertionError, match="not run as a graph pass"):
+        Pipeline([whole]).run_graph_passes(gm)

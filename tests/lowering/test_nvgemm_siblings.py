@@ -379,3 +379,51 @@ def test_nvgemm_goes_on_without_the_merge_when_it_fails(monkeypatch, caplog):
     assert "nvgemm: sibling GEMMs not merged: RuntimeError: CUDA out of memory" in caplog.text
     assert _count(out, aten.cat.default) == 1
     assert _count(out, torch.ops.branchyard.fused_gemm_epilogue.default) == 1
+
+
+def test_the_pass_in_a_pipeline_merges_and_reports_it():
+    from branchyard.fx.pass_infra import Pipeline
+    from branchyard.lowering.nvgemm import NvGemmPass
+
+    m = QKV().eval()
+    args = (torch.randn(4, 16), torch.randn(4, 16))
+    ep = torch.export.export(m, args)
+    p = NvGemmPass().bind_inputs(ep)
+    result = Pipeline([p])(ep)
+    assert result.modified and result.reports == [p.report]
+    assert p.report.stats["merged"] == ["3 GEMMs of x (linear, linear_1, linear_2) as one: 16 x 32"]
+    assert p.report.stats["merge"].startswith("kept (not raced: the program runs on cpu")
+    assert p.report.stats["fused"] == 1 and _count(result.program, aten.cat.default) == 0
+    off = NvGemmPass(merge_siblings=False).bind_inputs(ep)
+    assert _count(Pipeline([off])(ep).program, aten.cat.default) == 1 and "merged" not in off.report.stats
+
+
+def test_a_merge_that_loses_is_a_skip_with_its_figures():
+    from branchyard.fx.pass_infra import Pipeline
+    from branchyard.lowering.nvgemm import NvGemmPass
+
+    m = QKV().eval()
+    args = (torch.randn(4, 16), torch.randn(4, 16))
+    ep = torch.export.export(m, args)
+    timer = lambda v: 2.0 if any(g.startswith("merged ") for g in v.fused) else 1.0  # noqa: E731
+    p = NvGemmPass(race=ProgramRace(timer=timer, devices=("cpu",), blocks=3)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert _count(out, aten.cat.default) == 1
+    assert p.report.stats["merged"] == [] and p.report.stats["merge"].startswith("not kept (2000.0 us with it")
+    assert any(s.reason.startswith("not merged: the program called eagerly is no faster with it")
+               for s in p.report.skips), p.report
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_branchyard_compile_merges_siblings(cuda_graph):
+    import branchyard
+
+    m = QKV().eval()
+    args = (torch.randn(4, 16), torch.randn(4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the op's CPU fallback note
+        fast = branchyard.compile(m, args, passes=("nvgemm",), cuda_graph=cuda_graph)
+        (report,) = fast.report.pass_reports
+        assert report.stats["merged"] and report.stats["merge"].startswith("kept (")
+        with torch.no_grad():
+            _close(fast(*args), m(*args))

@@ -19,6 +19,7 @@ included for ``calling="eager"`` (the default), device time of CUDA-graph
 replays for ``calling="graph"``. Semantics, as Python::
 
     def nvgemm(program, calling="eager"):
+        # (run on a whole program: sibling GEMMs merged first where that wins; NvGemmPass.rewrite_program)
         chains = [c for c in find_epilogue_chains(program) if c.fusable]
         if program runs on CUDA and example inputs can be had and (calling == "eager" or capturable):
             if calling == "graph":
@@ -80,7 +81,7 @@ from branchyard.lowering.nvgemm.siblings import merge_sibling_gemms
 from torch.export.graph_signature import InputKind
 
 from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules
-from branchyard.fx.pass_infra import BranchyardPass, Pipeline, Program
+from branchyard.fx.pass_infra import BranchyardPass, Pipeline, PipelineResult, Program
 
 __all__ = ["NvGemmPass", "chain_group", "nvgemm"]
 
@@ -193,21 +194,28 @@ class NvGemmPass(BranchyardPass):
     a random tensor of the example shape will do; :meth:`bind_inputs` takes
     them from an ExportedProgram).
 
+    ``merge_siblings``: run on a whole program (:meth:`rewrite_program`, which
+    a :class:`~branchyard.fx.pass_infra.Pipeline` calls), the pass first merges
+    sibling GEMMs (:mod:`.siblings`) and keeps the merge where it wins (see
+    :func:`nvgemm`). Called on a bare GraphModule (``pass_(gm)``) it does not.
+
     ``report.stats``: ``fused`` (chains replaced), ``declined`` (roots left
     alone), ``specs`` (the spec of each fused chain, in graph order), ``race``
-    (what the race found, or why it did not run) and
-    ``race_decisions`` (each group's time per call fused and unfused). Each
-    chain the race left unfused is a skip with its figures.
+    (what the race found, or why it did not run),
+    ``race_decisions`` (each group's time per call fused and unfused),
+    ``merged`` (the sibling groups merged) and ``merge`` (what became of the
+    merge, and why). Each chain the race left unfused is a skip with its figures.
     """
 
     name = "nvgemm"
 
     def __init__(self, calling: Calling = "eager", *, race: ProgramRace | None = None,
-                 example_inputs: Sequence[Any] | None = None) -> None:
+                 example_inputs: Sequence[Any] | None = None, merge_siblings: bool = True) -> None:
         super().__init__()
         self.calling = calling
         self.race = race if race is not None else ProgramRace()
         self.example_inputs = list(example_inputs) if example_inputs is not None else None
+        self.merge_siblings = merge_siblings
         #: The last race's result (``None`` where none ran).
         self.race_result: RaceResult | None = None
 
@@ -326,6 +334,53 @@ class NvGemmPass(BranchyardPass):
                 return f"a program could not be captured into a CUDA graph: {_first_line(failed.error)}"
             except Exception as exc:
                 return f"a program failed on the race inputs: {_first_line(exc)}"
+
+    def rewrite_program(self, program: Program) -> PipelineResult:
+        """The pass on a whole program: sibling GEMMs merged first (with
+        ``merge_siblings``) where the merged program, fused, wins (see :func:`nvgemm`)."""
+        baseline = lambda: Pipeline([self], steps=1).run_graph_passes(program)  # noqa: E731
+        if not self.merge_siblings:
+            return baseline()
+        try:
+            merged = merge_sibling_gemms(program)
+        except Exception as exc:  # an optimisation that cannot be made must not cost the rewrite
+            logger.warning("nvgemm: sibling GEMMs not merged: %s", _first_line(exc))
+            return self._noting(baseline(), [], f"not merged ({_first_line(exc)})")
+        if not merged.changed:
+            return self._noting(baseline(), [], "nothing to merge")
+        label = "merged " + "; ".join(merged.groups)
+        twin = NvGemmPass(self.calling, race=self.race, merge_siblings=False,
+                          example_inputs=_merged_inputs(program, merged.program, self.example_inputs))
+        candidate = Pipeline([twin], steps=1).run_graph_passes(merged.program)
+        why_not = self._why_not_race(_graph_module(program))
+        if why_not is not None:  # not raced (CPU, tracing, ...): kept, as unraced chains are
+            return self._adopt(twin, candidate, merged.groups, f"kept (not raced: {why_not})")
+        result = baseline()
+        inputs = _race_inputs(program, candidate.program)
+        if isinstance(inputs, str):
+            return self._adopt(twin, candidate, merged.groups, f"kept (not raced: {inputs})")
+        raced = self.race_programs(label, (_graph_module(candidate.program), inputs[1]),
+                                   (_graph_module(result.program), inputs[0]))
+        if isinstance(raced, RaceResult) and raced.fused:
+            return self._adopt(twin, candidate, merged.groups,
+                               f"kept ({raced.result_us:.1f} us against {raced.unrewritten_us:.1f} us without)")
+        why = (f"{raced.decisions[-1].fused_us:.1f} us with it against {raced.unrewritten_us:.1f} us without"
+               if isinstance(raced, RaceResult) and raced.decisions else str(raced))
+        logger.info("nvgemm: %s: not kept (%s)", label, why)
+        for group in merged.groups:
+            self.skip(group, f"not merged: the program {_CALLED[self.calling]} is no faster with it ({why})")
+        return self._noting(result, [], f"not kept ({why})")
+
+    def _noting(self, result: PipelineResult, groups: list[str], merge: str) -> PipelineResult:
+        self.report.stats.update(merged=groups, merge=merge)
+        return PipelineResult(result.program, result.modified, [self.report])
+
+    def _adopt(self, twin: "NvGemmPass", result: PipelineResult, groups: list[str], merge: str) -> PipelineResult:
+        """Take the merged program's run as this pass's own."""
+        logger.info("nvgemm: merged %s: %s", "; ".join(groups), merge)  # as the not-kept line names them
+        self.report, self.race_result = twin.report, twin.race_result
+        self.report.modified = True
+        return self._noting(PipelineResult(result.program, True, [self.report]), groups, merge)
 
     def run(self, graph_module: GraphModule) -> bool:
         self.race_result = None
@@ -461,42 +516,24 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     >>> [n.args[3] for n in fused.graph.nodes if n.op == "call_function"]
     ['w=nk;bias@0;gelu_erf;out=float32']
     """
-    calling = check_calling(calling)
-    merged = None
-    if merge_siblings:
-        try:
-            merged = merge_sibling_gemms(program)
-        except Exception as exc:  # an optimisation that cannot be made must not cost the rewrite
-            logger.warning("nvgemm: sibling GEMMs not merged: %s", _first_line(exc))
-    if merged is None or not merged.changed:
-        return _fused(program, calling, race)[0]
-    candidate, the_pass = _fused(merged.program, calling, race)
-    label = "merged " + "; ".join(merged.groups)
-    if the_pass._why_not_race(_graph_module(program)) is not None:
-        return candidate  # not raced (CPU, tracing, ...): the merge is kept, as unraced chains are
-    result = _fused(program, calling, race)[0]
-    inputs = _race_inputs(program, candidate)
-    if isinstance(inputs, str):
-        logger.info("nvgemm: %s: not raced (%s); kept", label, inputs)
-        return candidate
-    raced = the_pass.race_programs(label, (_graph_module(candidate), inputs[1]), (_graph_module(result), inputs[0]))
-    if isinstance(raced, RaceResult) and raced.fused:
-        logger.info("nvgemm: %s: kept (%.1f us against %.1f us without)", label, raced.result_us,
-                    raced.unrewritten_us)
-        return candidate
-    why = (f"{raced.decisions[-1].fused_us:.1f} us with it against {raced.unrewritten_us:.1f} us without"
-           if isinstance(raced, RaceResult) and raced.decisions else str(raced))
-    logger.info("nvgemm: %s: not kept (%s)", label, why)
-    return result
+    the_pass = NvGemmPass(check_calling(calling), race=race, merge_siblings=merge_siblings).bind_inputs(program)
+    return Pipeline([the_pass], steps=1)(program).program
 
 
 def _graph_module(program: Program) -> GraphModule:
     return program if isinstance(program, GraphModule) else program.graph_module
 
 
-def _fused(program: Program, calling: Calling, race: ProgramRace | None) -> tuple[Program, NvGemmPass]:
-    the_pass = NvGemmPass(calling, race=race).bind_inputs(program)
-    return Pipeline([the_pass], steps=1)(program).program, the_pass
+def _merged_inputs(original: Program, merged: Program, given: Sequence[Any] | None) -> list[Any] | None:
+    """``given`` (one value per placeholder of ``original``, or ``None``) for ``merged``:
+    the same user inputs; the merged program's own values for its constants."""
+    if given is None or isinstance(original, GraphModule):
+        return None if given is None else list(given)
+    user = iter(v for v, spec in zip(given, original.graph_signature.input_specs)
+                if spec.kind == InputKind.USER_INPUT)
+    owned = program_inputs(merged) or [None] * len(merged.graph_signature.input_specs)
+    return [next(user, None) if spec.kind == InputKind.USER_INPUT else value
+            for value, spec in zip(owned, merged.graph_signature.input_specs)]
 
 
 def _race_inputs(original: Program, rewritten: Program) -> tuple[list[Any], list[Any]] | str:

@@ -13,15 +13,16 @@ class AddToMul(BranchyardPass):
     """x + y  ->  x * y, declining adds with a constant operand."""
 
     name = "add_to_mul"
+    source, replacement = torch.add, torch.mul
 
     def run(self, gm: GraphModule) -> bool:
         changed = False
         for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is torch.add:
+            if node.op == "call_function" and node.target is self.source:
                 if not all(isinstance(a, torch.fx.Node) for a in node.args):
                     self.skip(node, "constant operand")
                     continue
-                node.target = torch.mul
+                node.target = self.replacement
                 changed = True
         return changed
 
@@ -325,18 +326,11 @@ def test_other_errors_of_a_pass_reach_the_caller_unwrapped():
             apply_pass(program, Boom())
 
 
-class MulToSub(BranchyardPass):
+class MulToSub(AddToMul):
     """x * y  ->  x - y (a second graph pass, to see the order passes ran in)."""
 
     name = "mul_to_sub"
-
-    def run(self, gm: GraphModule) -> bool:
-        changed = False
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target is torch.mul:
-                node.target = torch.sub
-                changed = True
-        return changed
+    source, replacement = torch.mul, torch.sub
 
 
 class WholeProgram(BranchyardPass):

@@ -10,21 +10,26 @@ after::
     %v   = aten.linear(%x, %wv, %bv)               %qkv = aten.linear(%x, %w, %b)
     %qkv = aten.cat([%q, %k, %v], -1)
 
-Semantics, as Python (``layout``: ``nk`` for ``linear``, ``kn`` for ``mm``,
-``matmul`` and ``addmm``, which concatenate their weights along N, the
-weight's dim 0 or 1)::
+Semantics, as Python (``layout``: the constant weight's own, ``nk`` for
+``linear`` and for ``mm`` / ``addmm`` of a transposed constant, ``kn`` for
+``mm``, ``matmul`` and ``addmm`` of a constant ``[K, N]``; weights are
+concatenated along N, the weight's dim 0 or 1)::
 
     def merge(cat):                                 # cat = aten.cat(parts, dim=-1)
         for run in maximal runs of >= 2 consecutive parts that are GEMMs of one kind
-                   on one input, with constant 2-D weights of one dtype and device
-                   (biases: all constant [N] or all absent), each used by the cat only:
+                   (or views of them that regroup only their leading dims) on one
+                   input (or views of one input of one shape), with constant 2-D
+                   weights of one K, dtype and device, transposed alike (biases: all
+                   constant [N] or all absent), each used by the cat only:
             w = torch.cat([weight(p) for p in run], dim=0 if layout == "nk" else 1)
-            parts[run] = [gemm(input, w, cat of the biases)]
+            parts[run] = [view?(gemm(input, transpose?(w), cat of the biases))]
         return aten.cat(parts, -1) if len(parts) > 1 else parts[0]
 
-A weight that is a graph input (not a constant of the program), a bias of
-another shape, an ``addmm`` with ``alpha`` / ``beta``, or a part used by
-anything but the cat keeps its run from forming; the report says which.
+A weight that is a graph input or that the program writes (not a constant),
+a bias of another shape, an ``addmm`` with ``alpha`` / ``beta``, a transposed
+weight or a part used by anything but the run, or a weight another run
+merged already keeps a run from forming; the report says which. Only the
+top-level graph is searched (not control-flow branches).
 
 The merged weight is a copy taken at rewrite time, so the rewritten program
 owns it: :func:`merge_sibling_gemms` makes the program's own parameters (the
@@ -58,9 +63,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.fx import GraphModule, Node
 
+from branchyard.errors import LoweringError
 from branchyard.fx.control_flow import emit, fake_mode_of
 from branchyard.fx.graph_walk import copy_graph_module, resolve_attr
-from branchyard.errors import LoweringError
 from branchyard.fx.pass_infra import BranchyardPass, PassReport, Program
 
 __all__ = ["MergeResult", "MergeSiblingGemms", "merge_sibling_gemms"]

@@ -6,6 +6,7 @@ Usage (on the H200; see docs/gpu.md for the environment)::
     python benchmarks/nvgemm_blocks.py --markdown              # every block and M (long: Inductor compiles)
     python benchmarks/nvgemm_blocks.py --blocks llama3_8b_mlp --m 1 16 64 --no-compile
     python benchmarks/nvgemm_blocks.py --dry-run               # CPU smoke at tiny sizes (the CPU test runs it)
+    python benchmarks/nvgemm_blocks.py --blocks llama3_8b_attn_proj --m 1 --no-merge   # q/k/v not merged
 
 Blocks, built here with the widths of widely used models (bfloat16, random weights):
 
@@ -196,7 +197,7 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict
 
 
 def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype, compile_mode: str | None,
-            iters: int, repeats: int, cold_l2: bool = False) -> dict[str, float | str]:
+            iters: int, repeats: int, cold_l2: bool = False, merge: bool = True) -> dict[str, float | str]:
     """Every column for one block at one M (None where a column does not apply)."""
     import branchyard.lowering.nvgemm as nvgemm
 
@@ -208,7 +209,8 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
         want = block(*args)
         ep = torch.export.export(block, args)
         # The rewritten program as each kind of caller gets it: the default (eager) and for CUDA graphs.
-        eager_prog, graph_prog = nvgemm(ep), nvgemm(ep, calling="graph")
+        eager_prog = nvgemm(ep, merge_siblings=merge)
+        graph_prog = nvgemm(ep, calling="graph", merge_siblings=merge)
         callers = {"module": (block, block), "unrewritten": (ep.module(),) * 2,
                    "rewritten": (eager_prog.module(), graph_prog.module())}
         if compile_mode is not None:
@@ -310,6 +312,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cold-l2", action="store_true",
                         help="flush the L2 before each replay of the graph columns (as the tuner times), "
                              "each replay timed alone; the eager columns are timed as without it")
+    parser.add_argument("--no-merge", action="store_true",
+                        help="rewrite with nvgemm(..., merge_siblings=False): q/k/v stay separate GEMMs")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, float32, toy widths, M in {1, 4}, no torch.compile: checks every column runs "
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in names:
         for m in ms:
             rows.append(run_row(table[name], m, device=device, dtype=dtype, compile_mode=compile_mode,
-                                iters=iters, repeats=repeats, cold_l2=args.cold_l2))
+                                iters=iters, repeats=repeats, cold_l2=args.cold_l2, merge=not args.no_merge))
             print(report(rows[-1:], markdown=False).splitlines()[0], flush=True)
     print()
     print(report(rows, markdown=args.markdown))

@@ -29,6 +29,11 @@ def test_dry_run_times_every_block_and_checks_its_outputs(bench, capsys):
     assert "| llama3_70b_attn_proj | 4 | 1m/1m |" in out
 
 
+def test_no_merge_keeps_the_qkv_gemms_apart(bench):
+    rows = bench.main(["--dry-run", "--blocks", "llama3_8b_attn_proj", "--m", "4", "--no-merge"])
+    assert [r["fused"] for r in rows] == ["1/1"]
+
+
 def test_the_rewrite_fuses_what_the_blocks_offer(bench):
     """The blocks are the shapes the issue names, and the pass fuses their chains:
     GPT-2's MLP twice (bias+gelu_tanh, bias+residual), Llama's gate+silu and the

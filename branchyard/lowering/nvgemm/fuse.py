@@ -59,6 +59,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from torch._guards import detect_fake_mode
+from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -78,8 +79,6 @@ from branchyard.lowering.nvgemm.program_race import (
     race_context,
 )
 from branchyard.lowering.nvgemm.siblings import merge_sibling_gemms
-from torch.export.graph_signature import InputKind
-
 from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules
 from branchyard.fx.pass_infra import BranchyardPass, Pipeline, PipelineResult, Program
 
@@ -525,28 +524,26 @@ def _graph_module(program: Program) -> GraphModule:
 
 
 def _merged_inputs(original: Program, merged: Program, given: Sequence[Any] | None) -> list[Any] | None:
-    """``given`` (one value per placeholder of ``original``, or ``None``) for ``merged``:
-    the same user inputs; the merged program's own values for its constants."""
-    if given is None or isinstance(original, GraphModule):
-        return None if given is None else list(given)
-    user = iter(v for v, spec in zip(given, original.graph_signature.input_specs)
+    """``given`` (one value per placeholder of ``original``, or ``None``) for ``merged``."""
+    return None if given is None else _carry_user_inputs(original, given, merged)
+
+
+def _race_inputs(original: Program, rewritten: Program) -> tuple[list[Any], list[Any]] | str:
+    """Placeholder values of ``original`` and of ``rewritten``, the user inputs shared."""
+    base, why_not = placeholder_inputs(_graph_module(original), program_inputs(original))
+    if base is None:
+        return why_not or "no inputs"
+    return base, _carry_user_inputs(original, base, rewritten)
+
+
+def _carry_user_inputs(original: Program, values: Sequence[Any], merged: Program) -> list[Any]:
+    """``values`` (one per placeholder of ``original``) for ``merged``, the same program with
+    sibling GEMMs merged: the same user inputs, and the merged program's own values for
+    what it owns (an ExportedProgram gains constants; a GraphModule's placeholders stay)."""
+    if isinstance(original, GraphModule):
+        return list(values)
+    user = iter(v for v, spec in zip(values, original.graph_signature.input_specs)
                 if spec.kind == InputKind.USER_INPUT)
     owned = program_inputs(merged) or [None] * len(merged.graph_signature.input_specs)
     return [next(user, None) if spec.kind == InputKind.USER_INPUT else value
             for value, spec in zip(owned, merged.graph_signature.input_specs)]
-
-
-def _race_inputs(original: Program, rewritten: Program) -> tuple[list[Any], list[Any]] | str:
-    """Placeholder values of ``original`` and of ``rewritten`` (the same program with
-    sibling GEMMs merged: the same user inputs, more constants), the user inputs shared."""
-    base, why_not = placeholder_inputs(_graph_module(original), program_inputs(original))
-    if base is None:
-        return why_not or "no inputs"
-    if isinstance(original, GraphModule):
-        return base, base
-    user = iter(v for v, spec in zip(base, original.graph_signature.input_specs)
-                if spec.kind == InputKind.USER_INPUT)
-    owned = program_inputs(rewritten) or []
-    values = [next(user) if spec.kind == InputKind.USER_INPUT else value
-              for value, spec in zip(owned, rewritten.graph_signature.input_specs)]
-    return base, values

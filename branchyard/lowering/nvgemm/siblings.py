@@ -408,25 +408,28 @@ def merge_sibling_gemms(program: Program, *, only: frozenset[str] | None = None)
     gm = copy_graph_module(program, share_tensors=True)
     the_pass = MergeSiblingGemms(only=only)
     the_pass.call(gm)
-
-    def assign(target: str, view: torch.Tensor) -> None:
-        old = getattr(gm, target)
-        setattr(gm, target, torch.nn.Parameter(view, requires_grad=old.requires_grad)
-                if isinstance(old, torch.nn.Parameter) else view)
-
-    for group in the_pass.merged:
-        _alias(group, getattr(gm, group.weight_attr), group.weights, assign)
-        if group.bias_attr is not None:
-            _alias(group, getattr(gm, group.bias_attr), group.biases, assign, dim=0)
+    _alias_parts(the_pass.merged, lambda attr: getattr(gm, attr),
+                 lambda target, view: setattr(gm, target, _like(getattr(gm, target), view)))
     if the_pass.merged:
         gm.recompile()
     return MergeResult(gm if the_pass.merged else program, the_pass.report, [g.name for g in the_pass.merged])
 
 
-def _alias(group: MergedGroup, merged: torch.Tensor, spans: Sequence[tuple[str, int, int]],
-           assign: Callable[[str, torch.Tensor], None], dim: int | None = None) -> None:
-    for target, start, length in spans:
-        assign(target, merged.narrow(group.weight_dim if dim is None else dim, start, length))
+def _alias_parts(groups: Sequence[MergedGroup], merged: Callable[[str], torch.Tensor],
+                 assign: Callable[[str, torch.Tensor], None]) -> None:
+    """``assign(target, view)`` each merged part's own weight and bias as a view of
+    the merged tensor (``merged(attr)``) it was copied into."""
+    for group in groups:
+        for attr, spans, dim in ((group.weight_attr, group.weights, group.weight_dim),
+                                 (group.bias_attr, group.biases, 0)):
+            if attr is not None:
+                for target, start, length in spans:
+                    assign(target, merged(attr).narrow(dim, start, length))
+
+
+def _like(old: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``view`` as what ``old`` was: a parameter (with its ``requires_grad``) or a plain tensor."""
+    return torch.nn.Parameter(view, requires_grad=old.requires_grad) if isinstance(old, torch.nn.Parameter) else view
 
 
 def _merge_exported(ep: ExportedProgram, only: frozenset[str] | None) -> MergeResult:
@@ -472,22 +475,13 @@ def _merge_exported(ep: ExportedProgram, only: frozenset[str] | None) -> MergeRe
         if isinstance(spec.arg, TensorArgument) and isinstance(arg, Node):
             spec.arg = TensorArgument(name=arg.name)
     state_dict, constants = dict(ep.state_dict), {**ep.constants, **lifted}
-    kinds = {spec.target: spec.kind for spec in sig.input_specs}
 
-    def assign(target: str, view: torch.Tensor) -> None:
-        target = target_of[target]
-        if kinds[target] == InputKind.PARAMETER:
-            old = ep.state_dict[target]
-            state_dict[target] = torch.nn.Parameter(view, requires_grad=old.requires_grad)
-        elif target in state_dict:
-            state_dict[target] = view
-        else:
-            constants[target] = view
+    def assign(placeholder: str, view: torch.Tensor) -> None:
+        target = target_of[placeholder]
+        store = state_dict if target in state_dict else constants
+        store[target] = _like(store[target], view)
 
-    for group in the_pass.merged:
-        _alias(group, merged_values[group.weight_attr], group.weights, assign)
-        if group.bias_attr is not None:
-            _alias(group, merged_values[group.bias_attr], group.biases, assign, dim=0)
+    _alias_parts(the_pass.merged, merged_values.__getitem__, assign)
     gm.recompile()
     out = ep._update(gm, new_sig, state_dict=state_dict, constants=constants)
     return MergeResult(out, the_pass.report, [g.name for g in the_pass.merged])

@@ -6,6 +6,7 @@ Usage (on the H200; see docs/gpu.md for the environment)::
 
     python benchmarks/nvgemm_small_m.py --markdown --json small_m.json
     python benchmarks/nvgemm_small_m.py --m 16 --weights 4096x14336 --chain "bias@0;silu"
+    python benchmarks/nvgemm_small_m.py --m 1 --weights 4096x14336 --chain "silu;mul_mm@0"  # a GLU's gate + up
     python benchmarks/nvgemm_small_m.py --dry-run      # CPU smoke at toy sizes (the CPU test runs it)
 
 At M <= 64 a GEMM reads its weight once, so its floor is the weight's bytes
@@ -152,7 +153,13 @@ def make_inputs(m: int, k: int, n: int, chain: str, dtype: torch.dtype, device: 
             ops.append(torch.randn(n, generator=gen, device=device).to(dtype))
         elif step.op.operand == "matrix":
             ops.append(torch.randn(m, n, generator=gen, device=device).to(dtype))
+        elif step.op.operand == "weight":  # a second [N, K] weight (its bytes count too)
+            ops.append((torch.randn(n, k, generator=gen, device=device) / k**0.25).to(dtype))
     return spec, a, w, ops
+
+
+def _dual(spec) -> bool:
+    return any(step.op.operand == "weight" for step in spec.steps)
 
 
 def min_bytes(a, w, ops, out_dtype: torch.dtype) -> int:
@@ -180,7 +187,7 @@ def small_m_column(spec, a, w, ops, ref, timer: Timer) -> tuple[float | None, st
 
     m, k, n = a.shape[0], a.shape[1], w.shape[0]
     times, errors = {}, {}
-    for config in small_m_configs(m, n, k):
+    for config in small_m_configs(m, n, k, _dual(spec)):
         try:
             fn = cg.compile_fused_gemm(spec, a.dtype, config, operand_dtypes=[o.dtype for o in ops])
             out = torch.full((m, n), float("nan"), dtype=spec.out_dtype, device=a.device)
@@ -213,8 +220,8 @@ def cublas_call(spec, a, w, ops) -> Callable[[], torch.Tensor]:
     steps = spec.steps
     if steps and steps[0].op.name == "bias":
         bias, rest = ops[steps[0].operand], dataclasses.replace(spec, steps=steps[1:])
-        return lambda: unfused_aten_epilogue(F.linear(a, w, bias), rest, ops)
-    return lambda: unfused_aten_epilogue(F.linear(a, w), spec, ops)
+        return lambda: unfused_aten_epilogue(F.linear(a, w, bias), rest, ops, a)
+    return lambda: unfused_aten_epilogue(F.linear(a, w), spec, ops, a)
 
 
 def tuned_call(spec, a, w, ops, db_dir: str, inductor: bool) -> tuple[Callable[[], torch.Tensor], str]:
@@ -251,7 +258,7 @@ def run_row(m: int, weight: str, chain: str, *, dtype: torch.dtype, device: torc
         row["errors"]["small_m"] = config_errors
     from branchyard.lowering.nvgemm.kernel_config import small_m_configs
 
-    first_form = [c.name for c in small_m_configs(m, n, k) if (c.unroll, c.rows) == (1, 16)]
+    first_form = [c.name for c in small_m_configs(m, n, k, _dual(spec)) if (c.unroll, c.rows) == (1, 16)]
     row["base"], row["config_base"] = best_of(row["configs"], first_form)
     unfused = unfused_impl(spec)
     calls: dict[str, Callable[[], Any]] = {

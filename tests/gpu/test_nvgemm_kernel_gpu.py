@@ -34,6 +34,7 @@ CHAINS = [
     "scale:0.5;residual@0",
     "bias@0;gelu_tanh;residual@1",
     "scale_col@0;cast:float16;residual@1",
+    "bias@0;silu;mul@1",
 ]
 # (M, N, K): M=1, M off every tile (100, 333), N=14336, a multi-tile square.
 SHAPES = [(1, 4096, 512), (100, 14336, 256), (333, 1000, 136), (512, 512, 1024)]
@@ -85,7 +86,8 @@ def test_every_epilogue_matches_fp32_reference(chain: str, dtype: str, layout: s
     if layout == "kn" and chain not in ("bias@0;gelu_erf", "scale:0.5;residual@0"):
         pytest.skip("the [K, N] weight layout is covered by two chains")
     spec = EpilogueSpec.parse(f"w={layout};{chain};out={dtype}")
-    configs = [CONFIG, CONFIG_PP, CONFIG_RTMA] if "residual" in chain else [CONFIG, CONFIG_PP]
+    matrix = "residual" in chain or "mul@" in chain  # a [M, N] operand: also through the TMA read
+    configs = [CONFIG, CONFIG_PP, CONFIG_RTMA] if matrix else [CONFIG, CONFIG_PP]
     for m, n, k in SHAPES:
         a, b, gen = _inputs(m, n, k, DTYPES[dtype], layout)
         ops = _operands(spec, m, n, DTYPES[dtype], gen)

@@ -31,6 +31,7 @@ from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm.epilogue import EPILOGUE_TABLE, EpilogueSpec, reference_epilogue
 from branchyard.lowering.nvgemm.kernel_config import GemvConfig, small_m_configs
 
+from nvgemm_gpu_support import check_against_reference as _check
 from nvgemm_gpu_support import needs_cutedsl
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,6 +51,7 @@ CHAINS = [
     "bias@0;gelu_tanh;residual@1",
     "scale_col@0;cast:float16;residual@1",
     "scale:0.125;bias@0;silu;residual@1",
+    "bias@0;silu;mul@1",
 ]
 # (N, K): the 4096 x 14336 weight (N = 14336 outputs of K = 4096) and its
 # transpose's shape, one MMA row group (N = 16), one K step per warp or fewer (K = 64, 192).
@@ -59,7 +61,8 @@ MS = [1, 2, 7, 16, 64]
 
 def test_chains_cover_every_table_row():
     used = {part.partition("@")[0].partition(":")[0] for chain in CHAINS for part in chain.split(";") if part}
-    assert used == {row.name for row in EPILOGUE_TABLE}
+    # mul_mm (a second weight) runs on the dual configs: tests/gpu/test_nvgemm_glu_gpu.py
+    assert used | {"mul_mm"} == {row.name for row in EPILOGUE_TABLE}
 
 
 def _spec(chain: str, out: str) -> EpilogueSpec:
@@ -91,26 +94,6 @@ def _launch(spec: EpilogueSpec, config: GemvConfig, a, w, ops) -> torch.Tensor:
     fn(a, w.t(), ops, out)
     torch.cuda.synchronize()
     return out
-
-
-def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (what, out.shape, out.dtype, ref.shape, ref.dtype)
-    if out.numel() == 0:
-        return
-    out, ref = out.cpu(), ref.cpu()
-    unwritten = out.isnan() & ~ref.isnan()
-    assert not unwritten.any(), (
-        f"{what}: {int(unwritten.sum())} of {out.numel()} outputs never written, first at "
-        f"{[int(i) for i in unwritten.nonzero()[0]]}"
-    )
-    tol = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-3}[out.dtype]
-    scale = max(1.0, ref.double().abs().max().item())
-    err = (out.double() - ref.double()).abs() - tol * ref.double().abs()
-    worst = int(err.argmax())
-    row, col = divmod(worst, out.shape[1])
-    assert err.max().item() <= tol * scale / 4, (
-        f"{what}: worst at [{row}, {col}]: got {out[row, col].item():.6g}, reference {ref[row, col].item():.6g}"
-    )
 
 
 @needs_cutedsl

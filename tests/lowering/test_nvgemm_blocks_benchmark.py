@@ -54,7 +54,7 @@ def test_the_rewrite_fuses_what_the_blocks_offer(bench):
         fused[name] = sorted(n.args[3].split(";", 1)[1] for n in gm.nodes
                              if n.target is torch.ops.branchyard.fused_gemm_epilogue.default)
     assert fused["gpt2_mlp"] == ["bias@0;gelu_tanh;out=float32", "bias@0;residual@1;out=float32"]
-    assert fused["llama3_8b_mlp"] == ["residual@0;out=float32", "silu;out=float32"]
+    assert fused["llama3_8b_mlp"] == ["residual@0;out=float32", "silu;mul_mm@0;out=float32"]
     assert fused["llama3_8b_attn_proj"] == ["residual@0;out=float32"]
     assert fused["gpt2_attn_proj"] == ["bias@0;residual@1;out=float32"]
 

@@ -61,7 +61,8 @@ def test_kernel_formula_is_the_table_formula_in_fp32(row):
     functions (sigmoid, rcp, exp2, norm_cdf)."""
     x = torch.linspace(-12, 12, 4001, dtype=torch.float64)
     operand = {"scalar": 0.37, "col": torch.linspace(-2, 2, 4001, dtype=torch.float64),
-               "matrix": torch.linspace(3, -3, 4001, dtype=torch.float64)}.get(row.operand)
+               "matrix": torch.linspace(3, -3, 4001, dtype=torch.float64),
+               "weight": torch.linspace(3, -3, 4001, dtype=torch.float64)}.get(row.operand)  # the product
     torch.testing.assert_close(row.apply_kernel(x, operand, TORCH_MATH), row.apply(x, operand, TORCH_MATH),
                                rtol=1e-12, atol=1e-12)
 
@@ -71,7 +72,7 @@ def test_cublas_coverage_is_read_from_the_table():
     from branchyard.lowering.nvgemm.epilogue import addmm_prefix, cublaslt_prefix
 
     for row in EPILOGUE_TABLE:
-        spec = EpilogueSpec.parse(f"w=kn;bias@0;{row.name}{'@1' if row.operand in ('col', 'matrix') else ''}"
+        spec = EpilogueSpec.parse(f"w=kn;bias@0;{row.name}{'@1' if row.operand in ('col', 'matrix', 'weight') else ''}"
                                   f"{':0.5' if row.operand == 'scalar' else ''}"
                                   f"{':float32' if row.operand == 'dtype' else ''};out=float16")
         lt = cublaslt_prefix(spec.steps)

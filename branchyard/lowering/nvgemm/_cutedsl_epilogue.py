@@ -10,7 +10,7 @@ Called while a kernel is traced (so CuTeDSL is imported inside the functions).
 _CHUNK = 8
 
 
-def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last) -> None:
+def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last, products=None) -> None:
     """Trace-time unrolled: gather operands by (row, col), run the formulas in fp32, in place on ``acc``.
 
     ``coords[i]`` is the global (row, col) of ``acc[i]``, ``local[i]`` its
@@ -21,7 +21,9 @@ def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last
     vectors spilled to local memory). Rows/cols past the edge are clamped to
     the last one: the loads stay in bounds without a branch, and the TMA store
     drops those elements. Formulas come from ``kernel_formula`` (the shared
-    table's, or its cheaper form where one is listed).
+    table's, or its cheaper form where one is listed). A ``weight`` step reads
+    its operand from ``products[step.index]``, the fp32 values of ``a @ W^T``
+    at ``acc``'s positions (the small-M kernel's second accumulator).
     """
     import cutlass
     import cutlass.cute as cute
@@ -42,6 +44,12 @@ def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last
                 x = fn(x, m)
             elif step.operand == "scalar":
                 x = fn(x, step.value, m)
+            elif step.operand == "weight":
+                src = products[step.index]
+                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+                for j in range(chunk):
+                    gathered[j] = src[start + j]
+                x = fn(x, gathered.load(), m)
             elif step.operand == "matrix" and step.index == tma_mat:
                 gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
                 for j in range(chunk):

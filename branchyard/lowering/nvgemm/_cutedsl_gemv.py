@@ -32,6 +32,15 @@ columns n0 .. n0+31): a lane loads rows g, g+8, g+16, g+24, and each input
 fragment it loads feeds both tiles' MMAs, so the input bytes per weight byte
 halve (at M = 16 they equal the weight's otherwise).
 
+With ``GemvConfig.dual`` (a chain with a ``mul_mm`` step, ``act(a @ B^T) *
+(a @ W^T)``, a GLU's gate and up) the two tiles are rows n0 .. n0+15 of B and
+of the second weight W (the step's operand): the CTA owns 16 output columns,
+each input fragment feeds both weights' MMAs, and warp 0's reduction hands the
+W tile's sums to the step as its operand::
+
+    acc_b, acc_w = a @ B[n0:n0+16]^T, a @ W[n0:n0+16]^T      # one pass over K
+    out = epilogue(acc_b)  with  mul_mm's operand = acc_w   # steps as the table says
+
 Which K a lane's register holds need not be the K the MMA "thinks" it is: a
 dot product is the same in any order of K, as long as both operands use the
 same order. The MMA pairs A's and B's k-slots 2t, 2t+1, 2t+8, 2t+9 inside lane
@@ -141,15 +150,19 @@ def build_gemv_class() -> type:
             self.m_block = config.m_block
             self.unroll = config.unroll
             self.n_mma = config.m_block // 8  # MMAs (8 input rows each) per k16 step
-            self.tiles = config.rows // GEMV_ROWS  # 16-row weight tiles per CTA (MMAs per input block)
+            self.tiles = config.tiles  # 16-row weight tiles per CTA (MMAs per input block)
             self.n_acc = self.tiles * self.n_mma  # accumulator fragments: acc[tile * n_mma + j]
+            # dual: tile 1 is rows of the second weight, operands[second], at tile 0's output columns.
+            self.dual = config.dual
+            self.second = next((s.index for s in steps if s.operand == "weight"), None)
+            self.cta_rows = GEMV_ROWS if self.dual else GEMV_ROWS * self.tiles  # output columns per CTA
 
         # ------------------------------------------------------------------ host
         @cute.jit
         def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, operands: tuple, stream):
             op = cute.nvgpu.warp.MmaF16BF16Op(mA.element_type, cutlass.Float32, (16, 8, 16))
             tiled_mma = cute.make_tiled_mma(op)
-            row_groups = mB.shape[0] // (GEMV_ROWS * self.tiles)
+            row_groups = mB.shape[0] // self.cta_rows
             m_groups = (mC.shape[0] + self.m_block - 1) // self.m_block
             # U > 1: ``.minnctapersm 1`` -- without it ptxas, aiming at a higher occupancy, sinks
             # the later steps' loads below the first step's MMAs, and one step is in flight again.
@@ -172,7 +185,7 @@ def build_gemv_class() -> type:
             g = lane // 4
             t = lane % 4
             m_last = mC.shape[0] - 1
-            row0 = bidx * (GEMV_ROWS * self.tiles)
+            row0 = bidx * self.cta_rows
             m0 = bidy * self.m_block
 
             smem = cutlass.utils.SmemAllocator()
@@ -194,21 +207,23 @@ def build_gemv_class() -> type:
                       for _ in range(self.unroll)]
             x_bufs = [[[cute.make_rmem_tensor((1, chunk), ab) for _ in range(2)] for _ in range(self.n_mma)]
                       for _ in range(self.unroll)]
-            w_rows = [row0 + GEMV_ROWS * i + g + 8 * half for i in range(self.tiles) for half in range(2)]
+            tile_step = 0 if self.dual else GEMV_ROWS  # dual: both tiles at the same rows of their weights
+            w_rows = [row0 + tile_step * i + g + 8 * half for i in range(self.tiles) for half in range(2)]
+            srcs = [mB, operands[self.second]] if self.dual else [mB] * self.tiles
             x_rows = [cutlass.min(m0 + 8 * i + g, m_last) for i in range(self.n_mma)]
             self._zero(acc)
 
             k_steps = mA.shape[1] // GEMV_K_STEP
             if cutlass.const_expr(self.unroll == 1):
                 for step in cutlass.range(warp, k_steps, self.warps, unroll=2):
-                    self._k_step(mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs[0], x_bufs[0], w_rows, x_rows,
+                    self._k_step(mA, srcs, tiled_mma, acc, a_frag, b_frag, w_bufs[0], x_bufs[0], w_rows, x_rows,
                                  step, t)
             else:
                 group_stop, rest_start = unrolled_bounds(warp, k_steps, self.warps, self.unroll, cutlass.max)
                 for step in cutlass.range(warp, group_stop, self.unroll * self.warps, unroll=1):
-                    self._k_group(mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs, x_bufs, w_rows, x_rows, step, t)
+                    self._k_group(mA, srcs, tiled_mma, acc, a_frag, b_frag, w_bufs, x_bufs, w_rows, x_rows, step, t)
                 for step in cutlass.range(rest_start, k_steps, self.warps, unroll=1):
-                    self._k_step(mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs[0], x_bufs[0], w_rows, x_rows,
+                    self._k_step(mA, srcs, tiled_mma, acc, a_frag, b_frag, w_bufs[0], x_bufs[0], w_rows, x_rows,
                                  step, t)
 
             self._stash(partial, acc, lane, warp)
@@ -220,29 +235,29 @@ def build_gemv_class() -> type:
             for frag in acc:
                 frag.fill(0.0)
 
-        def _k_step(self, mA, mB, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf, w_rows, x_rows, step, t):
+        def _k_step(self, mA, srcs, tiled_mma, acc, a_frag, b_frag, w_buf, x_buf, w_rows, x_rows, step, t):
             """One 64-wide K step of this warp: 16-byte loads of two weight rows and the
             input rows, placed into the MMA fragments (see the module doc), 4 x n_mma MMAs."""
-            self._load(mA, mB, w_buf, x_buf, w_rows, x_rows, step, t)
+            self._load(mA, srcs, w_buf, x_buf, w_rows, x_rows, step, t)
             self._mma(tiled_mma, acc, a_frag, b_frag, w_buf, x_buf)
 
-        def _k_group(self, mA, mB, tiled_mma, acc, a_frag, b_frag, w_bufs, x_bufs, w_rows, x_rows, step, t):
+        def _k_group(self, mA, srcs, tiled_mma, acc, a_frag, b_frag, w_bufs, x_bufs, w_rows, x_rows, step, t):
             """Steps ``step + u * warps`` for u < unroll: every step's loads first (all in
             flight together), then every step's MMAs."""
             for u in range(self.unroll):
-                self._load(mA, mB, w_bufs[u], x_bufs[u], w_rows, x_rows, step + u * self.warps, t)
+                self._load(mA, srcs, w_bufs[u], x_bufs[u], w_rows, x_rows, step + u * self.warps, t)
             for u in range(self.unroll):
                 self._mma(tiled_mma, acc, a_frag, b_frag, w_bufs[u], x_bufs[u])
 
-        def _load(self, mA, mB, w_buf, x_buf, w_rows, x_rows, step, t):
+        def _load(self, mA, srcs, w_buf, x_buf, w_rows, x_rows, step, t):
             """The 16-byte loads of one K step: chunks 8t and 32 + 8t of weight rows g, g + 8
-            and of the input rows."""
+            (of tile i's weight, ``srcs[i]``) and of the input rows."""
             first = step * chunks_per_step + t
             for c in range(2):
                 col = first + 4 * c
                 for i in range(self.tiles):
                     for half in range(2):
-                        cute.autovec_copy(cute.local_tile(mB, (1, chunk), (w_rows[2 * i + half], col)),
+                        cute.autovec_copy(cute.local_tile(srcs[i], (1, chunk), (w_rows[2 * i + half], col)),
                                           w_buf[4 * i + 2 * half + c])
                 for j in range(self.n_mma):
                     cute.autovec_copy(cute.local_tile(mA, (1, chunk), (x_rows[j], col)), x_buf[j][c])
@@ -268,23 +283,30 @@ def build_gemv_class() -> type:
                     partial[lane, 4 * a + v, warp] = acc[a][v]
 
         def _reduce_and_store(self, partial, mC, operands, lane, g, t, row0, m0):
-            """Warp 0: sum the warps' partial accumulators, run the epilogue, store the rows below M."""
+            """Warp 0: sum the warps' partial accumulators, run the epilogue, store the rows below M.
+            Dual: tile 1's sums are the ``mul_mm`` step's operand (same coordinates as tile 0's)."""
             m_last = mC.shape[0] - 1
             n_last = mC.shape[1] - 1
-            vals = cute.make_rmem_tensor((4 * self.n_acc,), cutlass.Float32)
+            out_tiles = 1 if self.dual else self.tiles
+            size = 4 * out_tiles * self.n_mma
+            vals = cute.make_rmem_tensor((size,), cutlass.Float32)
+            prod = cute.make_rmem_tensor((size,), cutlass.Float32) if self.dual else None
             coords = []
             for a in range(self.n_acc):
                 tile, j = divmod(a, self.n_mma)
+                dest, base = (prod, 4 * (a - self.n_mma)) if tile >= out_tiles else (vals, 4 * a)
                 for v in range(4):
                     total = partial[lane, 4 * a + v, 0]
                     for w in range(1, self.warps):
                         total = total + partial[lane, 4 * a + v, w]
-                    vals[4 * a + v] = total
-                    row, col = accumulator_coords(v, g, t)
-                    coords.append((m0 + 8 * j + row, row0 + GEMV_ROWS * tile + col))
+                    dest[base + v] = total
+                    if tile < out_tiles:
+                        row, col = accumulator_coords(v, g, t)
+                        coords.append((m0 + 8 * j + row, row0 + GEMV_ROWS * tile + col))
             if len(self.steps) > 0:
-                apply_steps(self.steps, None, vals, coords, None, None, operands, m_last, n_last)
-            for i in range(4 * self.n_acc):
+                products = {self.second: prod} if self.dual else None
+                apply_steps(self.steps, None, vals, coords, None, None, operands, m_last, n_last, products)
+            for i in range(size):
                 row, col = coords[i]
                 self._store(mC, vals[i], row, col, m_last)
 

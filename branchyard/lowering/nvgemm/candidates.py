@@ -7,6 +7,9 @@ way this library knows to run a matmul + epilogue chain.
                                     appended for the configs that load U K steps at a time,
                                     ``_r32`` for those with 32 weight rows per CTA)
 ``cutedsl:<config>``                our fused kernel, one per tile config (:mod:`.cutedsl_gemm`)
+``cutedsl:gemv_..._dual``           the small-M kernel reading both weights of a ``mul_mm`` chain in
+                                    one pass; every other kernel runs such a chain expanded:
+                                    ``a @ w2.T`` by ``torch.mm`` first, then its ``mul`` step
 ``cutlass_plain+epilogue``          cutlass-operators' plain GEMM, then the chain as ATen ops
 ``cublaslt:_addmm_activation``      cuBLASLt's fused bias + ReLU / GELU(tanh), when that is the chain
 ``cublas:addmm``                    cuBLAS's ``alpha`` and ``C`` input, when that is the chain
@@ -47,7 +50,9 @@ from branchyard.lowering.nvgemm.epilogue import (
     EpilogueSpec,
     addmm_prefix,
     cublaslt_prefix,
+    expand_weight_steps,
     unfused_aten_epilogue,
+    weight_products,
     without_casts,
 )
 from branchyard.lowering.nvgemm.kernel_config import (
@@ -86,7 +91,7 @@ def unfused_impl(spec: EpilogueSpec) -> Impl:
     Capturable in a CUDA graph (no host synchronisation, no compilation)."""
 
     def impl(a, b_kn, operands, out):
-        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands))
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands), a)
 
     return impl
 
@@ -205,7 +210,7 @@ def _lt_prefix_build(problem: Problem) -> Impl:
 
     def impl(a, b_kn, operands, out):
         y = torch._addmm_activation(operands[bias], a, b_kn, use_gelu=use_gelu)
-        return unfused_aten_epilogue(y, rest, list(operands))
+        return unfused_aten_epilogue(y, rest, list(operands), a)
 
     return impl
 
@@ -224,7 +229,7 @@ def _addmm_prefix_build(problem: Problem) -> Impl:
     rest = _rest_spec(problem.spec, prefix.length)
 
     def impl(a, b_kn, operands, out):
-        return unfused_aten_epilogue(torch.addmm(operands[c], a, b_kn, alpha=alpha), rest, list(operands))
+        return unfused_aten_epilogue(torch.addmm(operands[c], a, b_kn, alpha=alpha), rest, list(operands), a)
 
     return impl
 
@@ -274,7 +279,7 @@ def compile_chain(spec: EpilogueSpec, mode: str, a: torch.Tensor, b_kn: torch.Te
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def chain(a, b_kn, *ops):
-        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops))
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops), a)
 
     inputs = [a, b_kn, *operands]
     graph = make_fx(chain, tracing_mode="fake")(*inputs)
@@ -294,7 +299,7 @@ def _eager_chain(spec: EpilogueSpec, reason: str) -> Callable[..., torch.Tensor]
         logger.warning("nvgemm: triton:inductor runs its chain eagerly: %s", reason)
 
     def eager(a, b_kn, *ops):
-        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops))
+        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops), a)
 
     eager.eager_reason = reason  # type: ignore[attr-defined]
     return eager
@@ -351,16 +356,32 @@ def _inductor_build(problem: Problem, mode: str) -> Impl:
 # --- our kernel and cutlass-operators' plain GEMM -----------------------------
 
 
+def _has_weight_step(spec: EpilogueSpec) -> bool:
+    return any(s.op.operand == "weight" for s in spec.steps)
+
+
 def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     from branchyard.lowering.nvgemm import cutedsl_gemm
 
+    spec, dtypes = problem.spec, list(problem.operand_dtypes)
+    expand = _has_weight_step(spec) and not getattr(config, "dual", False)
+    if expand:  # a @ w2.T by torch.mm first: the kernel's operand is that [M, N] product
+        dtypes = [problem.dtype if s.op.operand == "weight" else dtypes[s.operand]  # type: ignore[index]
+                  for s in spec.steps if s.op.operand in ("col", "matrix", "weight")]
+        spec = expand_weight_steps(spec)
     # compile_fused_gemm keeps compiled kernels in the on-disk KernelCache, so
     # a later process loads them in milliseconds instead of recompiling.
     fn = cutedsl_gemm.compile_fused_gemm(
-        problem.spec, problem.dtype, config, b_layout=problem.b_layout, out_dtype=problem.spec.out_dtype,
-        operand_dtypes=list(problem.operand_dtypes),
+        spec, problem.dtype, config, b_layout=problem.b_layout, out_dtype=spec.out_dtype, operand_dtypes=dtypes,
     )
+    if expand:
+        original = problem.spec
 
+        def impl(a, b_kn, operands, out):
+            fn(a, b_kn, weight_products(a, original, operands), out)
+            return out
+
+        return impl
     return _KernelImpl(fn)
 
 
@@ -383,8 +404,17 @@ class _KernelImpl:
 
 
 def _small_m_applies(problem: Problem, rows: int = 16) -> str | None:
-    return small_m_ineligibility(problem.m, problem.n, problem.k, problem.dtype, problem.b_layout,
-                                 problem.spec.out_dtype, rows)
+    why = small_m_ineligibility(problem.m, problem.n, problem.k, problem.dtype, problem.b_layout,
+                                problem.spec.out_dtype, rows)
+    if why is None and _has_weight_step(problem.spec):
+        weights = [s.operand for s in problem.spec.steps if s.op.operand == "weight"]
+        if len(weights) > 1:
+            return f"{len(weights)} second weights: the dual small-M kernel reads one"
+        if problem.operand_dtypes[weights[0]] != problem.dtype:  # type: ignore[index]
+            return "the second weight's dtype differs from the input's"
+        if problem.operand_layouts[weights[0]] != "row":  # type: ignore[index]
+            return "the second weight is not row-major [N, K]"
+    return why
 
 
 def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
@@ -395,7 +425,8 @@ def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
         logger.info("nvgemm: no CuTeDSL candidates: %s", why)
         return []
     configs = candidate_configs(problem.m, problem.n, problem.k, dtype_name(problem.dtype))
-    small = small_m_configs(problem.m, problem.n, problem.k) if _small_m_applies(problem) is None else []
+    dual = _has_weight_step(problem.spec)
+    small = small_m_configs(problem.m, problem.n, problem.k, dual) if _small_m_applies(problem) is None else []
     limit = os.environ.get("BRANCHYARD_NVGEMM_MAX_CONFIGS")
     if limit:
         configs, small = configs[: max(1, int(limit))], small[: max(1, int(limit))]
@@ -430,7 +461,7 @@ def _cutlass_plain_build(problem: Problem, compile_plain: Callable[..., Any]) ->
     def impl(a, b_kn, operands, out):
         y = torch.empty((a.shape[0], b_kn.shape[1]), dtype=a.dtype, device=a.device)
         gemm(a, b_kn, y)
-        return unfused_aten_epilogue(y, spec, list(operands))
+        return unfused_aten_epilogue(y, spec, list(operands), a)
 
     return impl
 

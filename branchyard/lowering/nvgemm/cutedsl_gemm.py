@@ -52,7 +52,7 @@ kernels in memory and in the on-disk :class:`~.kernel_cache.KernelCache`, and
 launches them. It imports without CUDA or CuTeDSL: everything touching
 ``cutlass`` is imported inside functions.
 
-    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
+    >>> from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
     >>> spec = EpilogueSpec.parse("w=nk;bias@0;silu;out=bfloat16")
     >>> kernel_cache_key(plan_steps(spec), "bfloat16", "bfloat16", ["bfloat16"], "nk",
     ...                  GemmConfig(128, 256))["steps"]
@@ -69,7 +69,7 @@ from typing import Any, Callable, Sequence
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.environment import package_version
-from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
+from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
 from branchyard.lowering.nvgemm.kernel_cache import KernelCache, default_kernel_cache
 from branchyard.lowering.nvgemm.kernel_config import (
     GEMV_K_STEP,
@@ -92,7 +92,7 @@ _CACHE_LOCK = threading.Lock()
 
 
 def _num_tensor_operands(steps: Sequence[KernelStep]) -> int:
-    indices = sorted({s.index for s in steps if s.operand in ("col", "matrix")})
+    indices = sorted({s.index for s in steps if s.operand in TENSOR_OPERANDS})
     if indices != list(range(len(indices))):
         raise LoweringError(f"tensor operand indices {indices} are not 0..n-1", where="compile_fused_gemm")
     return len(indices)
@@ -168,6 +168,13 @@ def compile_fused_gemm(
         )
     steps = plan_steps(spec)
     count = _num_tensor_operands(steps)
+    weights = [s.name for s in steps if s.operand == "weight"]
+    dual = isinstance(config, GemvConfig) and config.dual
+    if len(weights) > 1 or bool(weights) != dual:
+        raise LoweringError(
+            f"steps {[s.name for s in steps]} with config {config.name}: a second weight ({weights or 'none'}) "
+            "runs only as the one weight step of a dual small-M config",
+            where="compile_fused_gemm", hint="run expand_weight_steps(spec) with its weight_products first")
     if operand_dtypes is None:
         operand_dtypes = [name] * count
     if kernel_cache is _DEFAULT_CACHE:
@@ -223,7 +230,7 @@ def kernel_cache_key(
     B layout, the kernel (``fused_gemm`` or the small-M ``gemv``), every config
     field, the target arch and the tvm-ffi version (the exported launcher's ABI).
 
-        >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
+        >>> from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
         >>> key = kernel_cache_key(plan_steps(EpilogueSpec.parse("w=nk;bias@0;silu;out=bfloat16")), "bfloat16",
         ...                        "bfloat16", ["bfloat16"], "nk", GemmConfig(128, 256))
         >>> key["steps"], key["config"]["tile_n"]
@@ -338,6 +345,13 @@ class _FusedGemm:
                 where="fused gemm launch",
             )
         b_nk = b_kn.t()  # the kernel reads B as (N, K)
+        for step in self.steps:
+            w = operands[step.index] if step.operand == "weight" else None
+            if w is not None and (tuple(w.shape) != tuple(b_nk.shape) or w.stride(1) != 1):
+                raise LoweringError(
+                    f"the second weight (operand {step.index}) has shape {list(w.shape)} and strides "
+                    f"{tuple(w.stride())}; the kernel reads it like the weight, row-major {list(b_nk.shape)}",
+                    where="fused gemm launch")
         if b_nk.shape[0] % self.nk_multiple[0] or b_nk.shape[1] % self.nk_multiple[1]:
             raise LoweringError(
                 f"N={b_nk.shape[0]}, K={b_nk.shape[1]}: the small-M kernel {self.config.name} needs N a multiple "
@@ -405,11 +419,14 @@ def _compile(
     else:
         fake_b = make_fake_tensor(ab, (n, k), (1, ldb), assumed_align=16)
     fake_c = make_fake_tensor(types[out_dtype], (m, n), (ldc, 1), assumed_align=16)
-    kinds = {s.index: s.operand for s in steps if s.operand in ("col", "matrix")}
+    kinds = {s.index: s.operand for s in steps if s.operand in TENSOR_OPERANDS}
     fake_ops: list[Any] = []
     for index, op_dtype in enumerate(operand_dtypes):
         if kinds[index] == "col":
             fake_ops.append(make_fake_tensor(types[op_dtype], (n,), (1,)))
+        elif kinds[index] == "weight":  # a second [N, K] weight, read like B
+            fake_ops.append(make_fake_tensor(types[op_dtype], (n, k), (cute.sym_int64(divisibility=8), 1),
+                                             assumed_align=16))
         else:
             fake_ops.append(make_fake_tensor(types[op_dtype], (m, n), (cute.sym_int64(), 1)))
     fake_ops.append(cutlass.Float32(0.0))

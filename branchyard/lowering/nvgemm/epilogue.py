@@ -9,7 +9,9 @@ Each row (:class:`EpilogueOp`) says, as data:
 * ``operand`` -- what the step consumes besides the running value:
   ``"none"``, ``"scalar"`` (a Python float baked into the spec),
   ``"col"`` (a per-column vector, ``N`` elements), ``"matrix"`` (``[M, N]``),
-  or ``"dtype"`` (a cast);
+  ``"weight"`` (a second ``[N, K]`` weight: the step consumes ``a @ w.T``, the
+  product of the matmul's own input with it; see ``expands_to``) or ``"dtype"``
+  (a cast);
 * ``formula`` -- its math, written ONCE over a math namespace ``m``. The
   reference path evaluates it with :data:`TORCH_MATH` in fp32; the CuTeDSL
   kernel evaluates the same function with CuTeDSL math on registers. ``m`` must
@@ -19,6 +21,9 @@ Each row (:class:`EpilogueOp`) says, as data:
   rounds to the tensor dtype after every step, as the original graph did);
 * ``kernel_formula`` -- the same function in the form the GPU kernel emits,
   where that is cheaper (``None``: the kernel runs ``formula``);
+* ``expands_to`` -- for a ``weight`` row, the ``matrix`` row it is once the
+  product ``a @ w.T`` is computed on its own (what every kernel but the
+  small-M one, which reads both weights in one pass, runs);
 * ``addmm`` / ``cublaslt`` -- what cuBLAS applies of it inside its GEMM
   (``addmm``'s ``alpha`` or ``C``; ``_addmm_activation``'s ReLU or GELU), read by
   the tuner's cuBLAS candidates through :func:`addmm_prefix` and
@@ -32,7 +37,8 @@ dtype and the layout of the weight operand. Its semantics, as Python::
 
     acc = a.float() @ b_kn.float()               # fp32 accumulation
     for step in spec.steps:                      # fp32 epilogue
-        acc = step.op.apply(acc, operand(step), TORCH_MATH)
+        v = operand(step)                        # a weight step's operand: a.float() @ w.float().T
+        acc = step.op.apply(acc, v, TORCH_MATH)
     return acc.to(spec.out_dtype)                # one rounding, one store
 
 GELU's erf and tanh forms are different rows and are never exchanged.
@@ -58,6 +64,7 @@ from branchyard.errors import LoweringError
 
 __all__ = [
     "OperandKind",
+    "TENSOR_OPERANDS",
     "EpilogueOp",
     "EpilogueStep",
     "EpilogueSpec",
@@ -73,9 +80,14 @@ __all__ = [
     "addmm_prefix",
     "cublaslt_prefix",
     "without_casts",
+    "expand_weight_steps",
+    "weight_products",
 ]
 
-OperandKind = Literal["none", "scalar", "col", "matrix", "dtype"]
+OperandKind = Literal["none", "scalar", "col", "matrix", "weight", "dtype"]
+
+#: The operand kinds that take a tensor from the op's ``operands`` list (numbered in step order).
+TENSOR_OPERANDS: tuple[str, ...] = ("col", "matrix", "weight")
 
 aten = torch.ops.aten
 
@@ -303,6 +315,8 @@ class EpilogueOp:
     #: The activation cuBLASLt fuses after a bias (``torch._addmm_activation``):
     #: ``"relu"``, ``"gelu"`` (its tanh form), or ``None``.
     cublaslt: Literal["relu", "gelu"] | None = None
+    #: A ``weight`` row's ``matrix`` row: the step applied to the product ``a @ w.T``.
+    expands_to: str | None = None
 
     def apply(self, x: Any, operand: Any, m: Any) -> Any:
         """Evaluate the formula; ``operand`` is ignored for ``none``/``dtype`` rows."""
@@ -378,6 +392,11 @@ EPILOGUE_TABLE: tuple[EpilogueOp, ...] = (
                lambda x, v, m: x * v, lambda x, v: x * v, "x * scale[N]"),
     EpilogueOp("residual", _ADD, "matrix", _match_matrix,
                lambda x, r, m: x + r, lambda x, r: x + r, "x + residual[M, N]", addmm="c"),
+    EpilogueOp("mul", _MUL, "matrix", _match_matrix,
+               lambda x, y, m: x * y, lambda x, y: x * y, "x * y[M, N] (a gate, as in SwiGLU)"),
+    EpilogueOp("mul_mm", (), "weight", lambda node, x: "matched from a 'mul' whose operand is a matmul",
+               lambda x, y, m: x * y, lambda x, y: x * y, "x * (a @ w2.T), w2 [N, K] (gate and up of a GLU)",
+               expands_to="mul"),
     EpilogueOp("relu", (aten.relu.default,), "none", _match_unary,
                lambda x, m: m.maximum(x, 0.0), torch.relu, "max(x, 0)", cublaslt="relu"),
     EpilogueOp("gelu_erf", (aten.gelu.default,), "none", _match_gelu("none"),
@@ -419,7 +438,7 @@ class EpilogueStep:
 
     def __str__(self) -> str:
         kind = self.op.operand
-        if kind in ("col", "matrix"):
+        if kind in TENSOR_OPERANDS:
             return f"{self.op.name}@{self.operand}"
         if kind == "scalar":
             return f"{self.op.name}:{float(self.operand)!r}"  # repr round-trips exactly
@@ -460,7 +479,7 @@ class EpilogueSpec:
     @property
     def num_operands(self) -> int:
         """How many tensors the op's ``operands`` list carries."""
-        return sum(1 for s in self.steps if s.op.operand in ("col", "matrix"))
+        return sum(1 for s in self.steps if s.op.operand in TENSOR_OPERANDS)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -495,6 +514,7 @@ class EpilogueSpec:
                     "none": lambda: None,
                     "col": lambda: int(arg),
                     "matrix": lambda: int(arg),
+                    "weight": lambda: int(arg),
                     "scalar": lambda: float(arg),
                     "dtype": lambda: _dtype(arg, where),
                 }[op.operand]()
@@ -506,7 +526,7 @@ class EpilogueSpec:
         if out is None:
             raise LoweringError("missing 'out=<dtype>'", where=where)
         spec = EpilogueSpec(tuple(steps), out, layout)  # type: ignore[arg-type]
-        indices = [s.operand for s in spec.steps if s.op.operand in ("col", "matrix")]
+        indices = [s.operand for s in spec.steps if s.op.operand in TENSOR_OPERANDS]
         if indices != list(range(len(indices))):
             raise LoweringError(
                 f"tensor operands must be numbered 0, 1, ... in step order, got {indices}", where=where
@@ -527,15 +547,27 @@ def _prepare_operand(step: EpilogueStep, t: torch.Tensor, m_rows: int, n: int) -
     return t.reshape(m_rows, n)
 
 
+def _need_input(a: torch.Tensor | None, step: EpilogueStep) -> torch.Tensor:
+    if a is None:
+        raise LoweringError(f"step {step} multiplies by a second weight and needs the matmul's input",
+                            where="epilogue", hint="pass a=")
+    return a
+
+
 def reference_epilogue(
-    acc: torch.Tensor, spec: EpilogueSpec, operands: list[torch.Tensor], m: Any = TORCH_MATH
+    acc: torch.Tensor, spec: EpilogueSpec, operands: list[torch.Tensor], m: Any = TORCH_MATH,
+    a: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Apply ``spec``'s steps to the fp32 ``[M, N]`` accumulator, in fp32 (no final cast)."""
+    """Apply ``spec``'s steps to the fp32 ``[M, N]`` accumulator, in fp32 (no final cast).
+    ``a`` (``[M, K]``) is the matmul's input, which ``weight`` steps multiply their weight by."""
     rows, n = acc.shape
     x = acc
     for step in spec.steps:
         v: Any = step.operand
-        if step.op.operand in ("col", "matrix"):
+        kind = step.op.operand
+        if kind == "weight":
+            v = _need_input(a, step).float() @ operands[step.operand].float().t()  # type: ignore[index]
+        elif kind in TENSOR_OPERANDS:
             v = _prepare_operand(step, operands[step.operand], rows, n).float()  # type: ignore[index]
         x = step.op.apply(x, v, m)
     return x
@@ -550,21 +582,25 @@ def reference_fused_gemm(
     """
     b_kn = _as_kn(b, spec.weight_layout)
     lead = a.shape[:-1]
-    acc = a.reshape(-1, a.shape[-1]).float() @ b_kn.float()
-    out = reference_epilogue(acc, spec, operands)
+    a2d = a.reshape(-1, a.shape[-1])
+    acc = a2d.float() @ b_kn.float()
+    out = reference_epilogue(acc, spec, operands, a=a2d)
     return out.to(spec.out_dtype).reshape(*lead, b_kn.shape[1])
 
 
 def unfused_aten_epilogue(
-    y: torch.Tensor, spec: EpilogueSpec, operands: list[torch.Tensor]
+    y: torch.Tensor, spec: EpilogueSpec, operands: list[torch.Tensor], a: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The chain as separate eager ops on the matmul output ``y`` ``[M, N]``,
     in the tensors' own dtypes (one HBM round trip per op, like the original
-    graph)."""
+    graph). A ``weight`` step multiplies its weight by ``a`` (``[M, K]``) with
+    ``torch.mm`` first, as the original program's second matmul did."""
     rows, n = y.shape
     for step in spec.steps:
         kind = step.op.operand
-        if kind in ("col", "matrix"):
+        if kind == "weight":
+            y = step.op.aten(y, torch.mm(_need_input(a, step), operands[step.operand].t()))  # type: ignore[index]
+        elif kind in TENSOR_OPERANDS:
             y = step.op.aten(y, _prepare_operand(step, operands[step.operand], rows, n))  # type: ignore[index]
         elif kind in ("scalar", "dtype"):
             y = step.op.aten(y, step.operand)
@@ -572,6 +608,30 @@ def unfused_aten_epilogue(
             y = step.op.aten(y)
     return y.to(spec.out_dtype)
 
+
+def expand_weight_steps(spec: EpilogueSpec) -> EpilogueSpec:
+    """``spec`` with each ``weight`` step replaced by its ``expands_to`` row, whose
+    operand (same index) is the product ``a @ w.T`` (see :func:`weight_products`).
+
+        >>> str(expand_weight_steps(EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")))
+        'w=nk;silu;mul@0;out=bfloat16'
+    """
+    if not any(s.op.operand == "weight" for s in spec.steps):
+        return spec
+    steps = tuple(EpilogueStep(EPILOGUE_OPS[s.op.expands_to], s.operand) if s.op.operand == "weight" else s  # type: ignore[index]
+                  for s in spec.steps)
+    return EpilogueSpec(steps, spec.out_dtype, spec.weight_layout)
+
+
+def weight_products(a: torch.Tensor, spec: EpilogueSpec, operands: Any) -> list[torch.Tensor]:
+    """``operands`` with each ``weight`` step's ``[N, K]`` weight replaced by
+    ``torch.mm(a, w.T)`` (``[M, N]``, in the inputs' dtype): the operands of
+    :func:`expand_weight_steps` ``(spec)``."""
+    out = list(operands)
+    for step in spec.steps:
+        if step.op.operand == "weight":
+            out[step.operand] = torch.mm(a, out[step.operand].t())  # type: ignore[index]
+    return out
 
 
 # --- what cuBLAS(Lt) applies inside its GEMM (read from the table's columns) -

@@ -160,11 +160,13 @@ def _fusable_chains(graph_module: GraphModule) -> Iterator[tuple[GraphModule, No
     """Every root of every graph (control-flow branches and loop bodies
     included) with its chain, matched on the graph as the caller leaves it."""
     for gm in list(iter_graph_modules(graph_module)):
-        # Snapshot the roots: a rewrite erases its own chain only, and a
-        # root consumed as another chain's operand stays in the graph.
+        # Snapshot the roots: a rewrite erases its own chain only (with a GLU's
+        # second matmul, which its mul_mm step computes); a root that is another
+        # chain's operand stays in the graph.
         roots = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMUL_ROOTS]
         for root in roots:
-            yield gm, root, match_chain(root)
+            if not root._erased:  # else taken into an earlier chain (a GLU's second matmul)
+                yield gm, root, match_chain(root)
 
 
 def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, plain: bool = False) -> list[str]:

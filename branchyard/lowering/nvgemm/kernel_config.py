@@ -397,7 +397,10 @@ class GemvConfig:
     each step in its own register buffers; ``rows`` weight rows per CTA (16,
     one m16n8k16 tile, or 32: two tiles sharing each loaded input fragment, so
     a warp loads half the input bytes per weight byte; N must then be a
-    multiple of 32). Configs other than U = 1, 16 rows are allowed only where
+    multiple of 32); ``dual``: the chain multiplies by a second weight's
+    product (a ``mul_mm`` step, a GLU's ``up``), and each CTA holds one 16-row
+    tile of each weight, every loaded input fragment feeding both (``rows``
+    is then 16). Configs other than U = 1, 16 rows, one weight are allowed only where
     the :attr:`registers` estimate fits one thread (255) and the CTA fits an
     SM's register file (so it launches, and ptxas need not spill)::
 
@@ -413,6 +416,7 @@ class GemvConfig:
     warps: int = 8
     unroll: int = 1
     rows: int = GEMV_ROWS
+    dual: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -424,9 +428,11 @@ class GemvConfig:
             problems.append(f"unroll={self.unroll} (must be one of {_GEMV_UNROLLS})")
         if self.rows not in _GEMV_ROWS_PER_CTA:
             problems.append(f"rows={self.rows} (must be one of {_GEMV_ROWS_PER_CTA})")
-        base = (self.unroll, self.rows) == (1, GEMV_ROWS)  # the kernel's first form, always allowed
+        if self.dual and self.rows != GEMV_ROWS:
+            problems.append(f"dual with rows={self.rows} (a dual CTA holds {GEMV_ROWS} rows of each weight)")
+        base = (self.unroll, self.rows, self.dual) == (1, GEMV_ROWS, False)  # the first form, always allowed
         if not problems and not base and self.registers > self.register_cap:
-            problems.append(f"unroll={self.unroll}, rows={self.rows} with m_block={self.m_block}, "
+            problems.append(f"unroll={self.unroll}, rows={self.rows}{', dual' if self.dual else ''} with m_block={self.m_block}, "
                             f"warps={self.warps} needs about {self.registers} registers per thread; "
                             f"at most {self.register_cap} fit")
         if problems:
@@ -447,8 +453,12 @@ class GemvConfig:
             >>> GemvConfig(16, 8, 2).registers, GemvConfig(16, 8, 2, rows=32).registers
             (120, 184)
         """
-        tiles = self.rows // GEMV_ROWS
-        return self.unroll * (16 * tiles + self.m_block) + 24 + 2 * self.m_block * tiles
+        return self.unroll * (16 * self.tiles + self.m_block) + 24 + 2 * self.m_block * self.tiles
+
+    @property
+    def tiles(self) -> int:
+        """16-row weight tiles per CTA: two for 32 rows or two weights, else one."""
+        return 2 if self.dual else self.rows // GEMV_ROWS
 
     @property
     def register_cap(self) -> int:
@@ -460,16 +470,18 @@ class GemvConfig:
         """Short stable name (the candidate is ``cutedsl:<name>``); ``_u<U>`` only for U > 1 and
         ``_r<rows>`` only for 32 rows, so the first form keeps the names its winners were recorded under."""
         return (f"gemv_m{self.m_block}_w{self.warps}" + (f"_u{self.unroll}" if self.unroll > 1 else "")
-                + (f"_r{self.rows}" if self.rows != GEMV_ROWS else ""))
+                + (f"_r{self.rows}" if self.rows != GEMV_ROWS else "") + ("_dual" if self.dual else ""))
 
 
-def small_m_configs(m: int, n: int, k: int) -> list[GemvConfig]:
+def small_m_configs(m: int, n: int, k: int, dual: bool = False) -> list[GemvConfig]:
     """The small-M configs worth timing: the smallest ``m_block`` holding M
     (every CTA then reads its weight rows once), with 8, 4 and 16 warps one
     K step at a time, then the variants of :data:`_GEMV_VARIANTS` whose
     registers fit (the 32-row ones only where N is a multiple of 32). Each
     config listed runs every K that :func:`small_m_ineligibility` allows (a
-    warp's steps left over by the unrolled loop run one at a time).
+    warp's steps left over by the unrolled loop run one at a time). With
+    ``dual`` (a chain with a second weight), the 16-row configs whose two
+    tiles fit the registers, each ``dual``.
 
         >>> [c.name for c in small_m_configs(17, 4096, 4096)]
         ['gemv_m32_w8', 'gemv_m32_w4', 'gemv_m32_w16', 'gemv_m32_w8_u2', 'gemv_m32_w4_u2', 'gemv_m32_w8_r32']
@@ -477,14 +489,17 @@ def small_m_configs(m: int, n: int, k: int) -> list[GemvConfig]:
         'gemv_m32_w4_u2'
         >>> [c.name for c in small_m_configs(64, 4096, 4096)]
         ['gemv_m64_w8', 'gemv_m64_w4', 'gemv_m64_w16']
+        >>> [c.name for c in small_m_configs(1, 14336, 4096, dual=True)]
+        ['gemv_m8_w8_dual', 'gemv_m8_w4_dual', 'gemv_m8_w16_dual', 'gemv_m8_w8_u2_dual', 'gemv_m8_w8_u4_dual', 'gemv_m8_w4_u4_dual', 'gemv_m8_w4_u2_dual']
     """
     m_block = next((b for b in _GEMV_M_BLOCKS if b >= m), _GEMV_M_BLOCKS[-1])
-    configs = [GemvConfig(m_block, w) for w in (8, 4, 16)]
-    for warps, unroll, rows in _GEMV_VARIANTS:
-        if n % rows:
+    shapes = [(w, 1, GEMV_ROWS) for w in (8, 4, 16)] + list(_GEMV_VARIANTS)
+    configs = []
+    for warps, unroll, rows in shapes:
+        if n % rows or (dual and rows != GEMV_ROWS):
             continue
         try:
-            configs.append(GemvConfig(m_block, warps, unroll, rows))
+            configs.append(GemvConfig(m_block, warps, unroll, rows, dual))
         except LoweringError:  # too many registers for this m_block
             continue
     return configs

@@ -9,12 +9,13 @@ Semantics, for one output element (``x`` the fp32 accumulator)::
         x = step.fn(x, step.value, m)          # "scalar"
         x = step.fn(x, operands[step.index][col], m)         # "col"
         x = step.fn(x, operands[step.index][row, col], m)    # "matrix"
-
+        x = step.fn(x, (a @ operands[step.index].T)[row, col], m)  # "weight": the small-M
+                                                             # kernel's second accumulator
 ``step.fn`` is the row's ``kernel_formula`` (else its ``formula``) from
 :data:`~branchyard.lowering.nvgemm.epilogue.EPILOGUE_TABLE`; nothing here
 knows an op by name. Imports without CuTeDSL (``CuteMath`` imports it when built).
 
-    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
+    >>> from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
     >>> [s.operand for s in plan_steps(EpilogueSpec.parse("w=nk;bias@0;gelu_erf;residual@1;out=bfloat16"))]
     ['col', 'none', 'matrix']
 """
@@ -25,13 +26,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
+from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
 from branchyard.lowering.nvgemm.kernel_config import OPERAND_DTYPES, dtype_name
 
 __all__ = ["CuteMath", "KernelStep", "kernel_formula", "plan_steps"]
 
 #: How a step's operand is read inside the kernel (the table's operand kinds).
-_OPERAND_KINDS = ("none", "scalar", "col", "matrix", "dtype")
+_OPERAND_KINDS = ("none", "scalar", "col", "matrix", "weight", "dtype")
 
 @dataclass(frozen=True)
 class KernelStep:
@@ -41,7 +42,9 @@ class KernelStep:
     ``"scalar"`` (``fn(x, value, m)`` with ``value`` a Python float baked into
     the kernel), ``"col"`` (``fn(x, v[col], m)`` with ``v = operands[index]``
     of ``N`` elements), ``"matrix"`` (``fn(x, r[row, col], m)`` with
-    ``r = operands[index]``, ``[M, N]`` row-major) or ``"dtype"`` (``fn(x, m)``,
+    ``r = operands[index]``, ``[M, N]`` row-major), ``"weight"`` (``fn(x, y, m)``
+    with ``y`` the product of the input and the ``[N, K]`` weight
+    ``operands[index]``, which only the small-M kernel computes) or ``"dtype"`` (``fn(x, m)``,
     a cast inside the chain: the value stays fp32 and is rounded once at the
     store). ``fn`` is the row's kernel formula, written over a math namespace
     ``m``; the kernel runs it on fp32 register fragments.
@@ -60,7 +63,7 @@ class KernelStep:
                 f"epilogue step {self.name!r} has operand kind {self.operand!r}",
                 hint=f"use one of {_OPERAND_KINDS}",
             )
-        if self.operand in ("col", "matrix") and self.index is None:
+        if self.operand in TENSOR_OPERANDS and self.index is None:
             raise LoweringError(f"epilogue step {self.name!r} reads a tensor but has no operand index")
         if self.operand == "scalar" and self.value is None:
             raise LoweringError(f"epilogue step {self.name!r} is a scalar step without a value")
@@ -90,7 +93,7 @@ def plan_steps(spec: EpilogueSpec) -> tuple[KernelStep, ...]:
             planned.append(KernelStep(row.name, "dtype", fn, dtype=dtype_name(step.operand)))
         elif row.operand == "scalar":
             planned.append(KernelStep(row.name, "scalar", fn, value=float(step.operand)))  # type: ignore[arg-type]
-        elif row.operand in ("col", "matrix"):
+        elif row.operand in TENSOR_OPERANDS:
             planned.append(KernelStep(row.name, row.operand, fn, index=int(step.operand)))  # type: ignore[arg-type]
         else:
             planned.append(KernelStep(row.name, "none", fn))

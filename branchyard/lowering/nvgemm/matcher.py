@@ -17,7 +17,15 @@ Views that only regroup the leading (row) dims are transparent, so the
 ``view -> addmm -> view`` that ``run_decompositions`` makes of a 3-D
 ``linear`` still matches; the decomposed SiLU ``x * sigmoid(x)`` is one
 ``silu`` step; ``_assert_tensor_metadata`` checks on intermediates (export
-puts them before a ``.to``) go with the chain.
+puts them before a ``.to``) go with the chain. A ``mul`` by the product of
+the same input with a second weight -- a GLU's ``silu(gate(x)) * up(x)`` --
+takes that matmul into the chain as one ``mul_mm`` step (its operand is the
+second weight, ``[N, K]``), so one kernel can read both weights::
+
+    g  = aten.linear(x, w_gate)          # the root
+    s  = aten.silu(g)                    # silu
+    u  = aten.linear(x, w_up)            # one user (the mul), no bias, same x, same [N, K]
+    y  = aten.mul(s, u)                  # mul_mm@0, operand w_up
 
 Every matcher here is a run of guard clauses returning a match or a reason
 string; :func:`find_epilogue_chains` returns one :class:`EpilogueChain` per
@@ -44,6 +52,7 @@ from branchyard.lowering.nvgemm.epilogue import (
     EPILOGUE_OPS,
     EPILOGUE_TABLE,
     SUPPORTED_DTYPES,
+    TENSOR_OPERANDS,
     EpilogueOp,
     EpilogueSpec,
     EpilogueStep,
@@ -52,7 +61,7 @@ from branchyard.lowering.nvgemm.epilogue import (
     same_shape,
 )
 
-__all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot"]
+__all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot", "input_source", "is_transpose"]
 
 aten = torch.ops.aten
 
@@ -128,7 +137,7 @@ class EpilogueChain:
     @property
     def operands(self) -> list[Node]:
         """The tensor operands of the steps, in step order."""
-        return [v for op, v in self.steps if op.operand in ("col", "matrix")]  # type: ignore[misc]
+        return [v for op, v in self.steps if op.operand in TENSOR_OPERANDS]  # type: ignore[misc]
 
     @property
     def spec(self) -> EpilogueSpec:
@@ -136,7 +145,7 @@ class EpilogueChain:
         steps: list[EpilogueStep] = []
         k = 0
         for op, v in self.steps:
-            if op.operand in ("col", "matrix"):
+            if op.operand in TENSOR_OPERANDS:
                 steps.append(EpilogueStep(op, k))
                 k += 1
             else:
@@ -297,6 +306,66 @@ def _match_decomposed_silu(x: Node) -> tuple[list[Node], Node] | None:
     return [sig, mul], mul
 
 
+def is_transpose(node: Any) -> bool:
+    """``node`` is ``t(w)`` or a 2-D ``permute(w, [1, 0])``."""
+    return (isinstance(node, Node) and node.target in (aten.t.default, aten.permute.default)
+            and (node.target is aten.t.default or list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])))
+
+
+def input_source(a: Node) -> tuple[Any, ...]:
+    """What a matmul input is, for comparing inputs: a view's source and shape, else the node
+    (decompositions give each ``linear`` its own ``view`` of a shared N-D input)."""
+    if a.target in _VIEW_TARGETS and isinstance(a.args[0], Node):
+        return (a.args[0], tuple(_val(a).shape) if isinstance(_val(a), torch.Tensor) else id(a))
+    return (a,)
+
+
+def _only_user(node: Node, user: Node) -> bool:
+    real, checks = _users(node)
+    return real == [user] and not checks
+
+
+def _weight_nk(root: MatmulRoot) -> Node | None:
+    """The ``[N, K]`` weight node of a matched root: an ``nn.Linear`` weight as it is, or
+    the source of a ``kn`` root's transposed weight; ``None`` for a true ``[K, N]`` weight."""
+    if root.weight_layout == "nk":
+        return root.b
+    if is_transpose(root.b) and isinstance(root.b.args[0], Node):
+        return root.b.args[0]
+    return None
+
+
+def _match_product(chain: EpilogueChain, mul: Node, other: Node) -> tuple[Node, list[Node]] | str:
+    """``other`` (the ``mul``'s other operand) as ``a @ w2.T`` on the chain's own input:
+    the second weight ``w2`` ``[N, K]`` and the nodes that compute ``other`` from it
+    (consumed with the chain), or why not."""
+    node, views = other, []
+    while node.target in _VIEW_TARGETS and isinstance(node.args[0], Node) and _row_view(node, node.args[0]):
+        views.append(node)
+        node = node.args[0]
+    if node.target not in MATMUL_ROOTS:
+        return "not a matmul"
+    path = [node, *views[::-1], mul]  # each value's only user is the next
+    if not all(_only_user(x, nxt) for x, nxt in zip(path, path[1:])):
+        return f"the matmul '{node.name}' or a view of it has other users"
+    root = match_matmul(node)
+    if isinstance(root, str):
+        return root
+    if root.steps:
+        return f"the matmul '{node.name}' has its own bias"
+    w2, w1 = _weight_nk(root), _weight_nk(MatmulRoot(chain.root, chain.a, chain.b, chain.weight_layout, []))
+    if w2 is None or w1 is None:
+        return "a weight is not an [N, K] (nn.Linear) weight"
+    t1, t2 = _val(w1), _val(w2)
+    if not isinstance(t2, torch.Tensor) or tuple(t1.shape) != tuple(t2.shape) or t1.dtype != t2.dtype:
+        return f"the weights' shapes or dtypes differ ({list(t1.shape)} {t1.dtype}, {list(getattr(t2, 'shape', []))})"
+    if input_source(root.a) != input_source(chain.a):  # type: ignore[arg-type]
+        return "the matmuls have different inputs"
+    own = [n for n in (root.a, root.b) if n is not chain.a and n is not w2 and isinstance(n, Node)
+           and n.target in (*_VIEW_TARGETS, aten.t.default, aten.permute.default) and _only_user(n, node)]
+    return w2, own + [node] + views[::-1]
+
+
 def _narrowing(dtype: torch.dtype) -> bool:
     return dtype.itemsize < 4
 
@@ -351,7 +420,13 @@ def _walk(chain: EpilogueChain) -> None:
             chain.stop_node = u
             chain.near_miss = True
             break
-        chain.nodes += pending_views + [u]
+        consumed: list[Node] = []
+        if row.name == "mul":
+            product = _match_product(chain, u, got)
+            if not isinstance(product, str):
+                got, consumed = product
+                row = EPILOGUE_OPS["mul_mm"]
+        chain.nodes += pending_views + consumed + [u]
         chain.checks += pending_checks + checks
         pending_views, pending_checks = [], []
         chain.steps.append((row, got))

@@ -10,7 +10,8 @@ Semantics (``spec`` parsed by :meth:`EpilogueSpec.parse`)::
     return acc.to(spec.out_dtype).reshape(*a.shape[:-1], N)     # one store
 
 ``col`` operands hold ``N`` elements (any shape ``[..., 1, N]``), ``matrix``
-operands ``M * N`` elements in row-major order of the output.
+operands ``M * N`` elements in row-major order of the output, ``weight``
+operands are a second ``[N, K]`` weight (``mul_mm``: ``acc * (a @ w.T)``).
 
 Its ``out=`` overload writes the result into a given tensor (what the CUDA-graph
 lowering uses to land a branch's last op in the conditional node's output
@@ -71,7 +72,12 @@ import torch
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import tuner as tuner_mod
-from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm, unfused_aten_epilogue
+from branchyard.lowering.nvgemm.epilogue import (
+    TENSOR_OPERANDS,
+    EpilogueSpec,
+    reference_fused_gemm,
+    unfused_aten_epilogue,
+)
 from branchyard.lowering.nvgemm.kernel_config import ALIGN_BYTES, fused_kernel_ineligibility
 from branchyard.lowering.nvgemm.problem import Impl, TimingMode, bound_launch
 from branchyard.lowering.nvgemm.timing import current_timing_mode
@@ -142,9 +148,15 @@ def check_arguments(
         )
     for step in spec.steps:
         kind = step.op.operand
-        if kind not in ("col", "matrix"):
+        if kind not in TENSOR_OPERANDS:
             continue
         t = operands[step.operand]  # type: ignore[index]
+        if kind == "weight":
+            if tuple(t.shape) != (n, k):
+                raise LoweringError(
+                    f"operand {step.operand} of step '{step.op.name}' has shape {list(t.shape)}; expected the "
+                    f"second weight [N, K] = [{n}, {k}]", where=OP_NAME)
+            continue
         want = n if kind == "col" else m * n
         if t.numel() != want or (t.dim() and t.shape[-1] != n):
             raise LoweringError(
@@ -191,8 +203,10 @@ class _SpecPlan:
 
     spec: EpilogueSpec
     nk: bool
-    #: ``True`` per tensor operand that is a per-column vector (else ``[M, N]``).
+    #: ``True`` per tensor operand that is a per-column vector (else ``[M, N]``, or a weight).
     col: tuple[bool, ...]
+    #: ``True`` per tensor operand that is a second weight (passed as it is).
+    weight: tuple[bool, ...]
 
 
 _SPEC_PLANS: dict[str, _SpecPlan] = {}
@@ -202,8 +216,9 @@ def _spec_plan(text: str) -> _SpecPlan:
     plan = _SPEC_PLANS.get(text)
     if plan is None:
         spec = parse_spec(text)
-        col = tuple(st.op.operand == "col" for st in spec.steps if st.op.operand in ("col", "matrix"))
-        plan = _SPEC_PLANS[text] = _SpecPlan(spec, spec.weight_layout == "nk", col)
+        kinds = [st.op.operand for st in spec.steps if st.op.operand in TENSOR_OPERANDS]
+        plan = _SPEC_PLANS[text] = _SpecPlan(spec, spec.weight_layout == "nk", tuple(k == "col" for k in kinds),
+                                             tuple(k == "weight" for k in kinds))
     return plan
 
 
@@ -369,12 +384,13 @@ def run_unfused(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], 
     """The chain as the original program ran it: ``mm`` in the inputs' dtype,
     then one ATen op per step (capturable in a CUDA graph). Mixed input dtypes,
     which no original program could multiply, run the reference semantics."""
-    if a.dtype != b.dtype:
+    if a.dtype != b.dtype or any(operands[s.operand].dtype != a.dtype  # type: ignore[index]
+                                 for s in spec.steps if s.op.operand == "weight"):
         return reference_fused_gemm(a, b, operands, spec)
     b_kn = b.t() if spec.weight_layout == "nk" else b
     k, n = b_kn.shape
-    y = torch.mm(a.reshape(math.prod(a.shape[:-1]), k), b_kn)
-    return unfused_aten_epilogue(y, spec, list(operands)).reshape(*a.shape[:-1], n)
+    a2d = a.reshape(math.prod(a.shape[:-1]), k)
+    return unfused_aten_epilogue(torch.mm(a2d, b_kn), spec, list(operands), a2d).reshape(*a.shape[:-1], n)
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -425,7 +441,8 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
     """Check the arguments, decide fused or unfused, tune if fused (first call of a signature)."""
     s = plan.spec
     m, n, k = check_arguments(a, b, operands, s)
-    reshape_ops = tuple((t.dim() != 1) if col else (t.dim() != 2) for t, col in zip(operands, plan.col))
+    reshape_ops = tuple(False if weight else (t.dim() != 1) if col else (t.dim() != 2)
+                        for t, col, weight in zip(operands, plan.col, plan.weight))
     op_shapes = tuple(((n,) if col else (m, n)) if again else None for col, again in zip(plan.col, reshape_ops))
     out_shape = (*a.shape[:-1], n)
     call = CallPlan(m, n, k, out_shape, reshape_a=a.dim() != 2, reshape_ops=reshape_ops, spec=s,
@@ -437,7 +454,9 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
         call.reason = "M = 0: nothing to compute"
         return call
     a2d, b_kn, ops2d = _as_2d(plan, call, a, b, operands)
-    why = fused_kernel_ineligibility(a2d, b_kn, ops2d, k, n)
+    why = next((f"the second weight (operand {i}) has dtype {t.dtype}, the input {a.dtype}"
+                for i, (t, weight) in enumerate(zip(operands, plan.weight)) if weight and t.dtype != a.dtype), None)
+    why = why or fused_kernel_ineligibility(a2d, b_kn, ops2d, k, n)
     if why is not None:
         call.reason = why
         return call

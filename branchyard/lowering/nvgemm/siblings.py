@@ -67,6 +67,7 @@ from branchyard.errors import LoweringError
 from branchyard.fx.control_flow import emit, fake_mode_of
 from branchyard.fx.graph_walk import copy_graph_module, resolve_attr
 from branchyard.fx.pass_infra import BranchyardPass, PassReport, Program
+from branchyard.lowering.nvgemm.matcher import input_source, is_transpose
 
 __all__ = ["MergeResult", "MergeSiblingGemms", "merge_sibling_gemms"]
 
@@ -135,20 +136,8 @@ _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _TRANSPOSES = (aten.t.default, aten.permute.default)
 
 
-def _is_transpose(node: Any) -> bool:
-    return (isinstance(node, Node) and node.target in _TRANSPOSES
-            and (node.target is aten.t.default or list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])))
-
-
 def _views_a_gemm(node: Node) -> bool:
     return node.target in _VIEWS and isinstance(node.args[0], Node) and node.args[0].target in _GEMMS
-
-
-def _source(a: Node) -> tuple[Any, ...]:
-    """What a GEMM input is, for comparing inputs: a view's source and shape, else the node."""
-    if a.target in _VIEWS and isinstance(a.args[0], Node):
-        return (a.args[0], tuple(_val(a).shape) if isinstance(_val(a), torch.Tensor) else id(a))
-    return (a,)
 
 
 def _part(item: Node, constant: ConstantOf, cat: Node) -> _Part | str:
@@ -177,7 +166,7 @@ def _part(item: Node, constant: ConstantOf, cat: Node) -> _Part | str:
     if not isinstance(a, Node) or not isinstance(weight, Node):
         return f"'{node.name}' has a non-graph input or weight"
     wrap = None
-    if layout == "kn" and _is_transpose(weight) and isinstance(weight.args[0], Node):
+    if layout == "kn" and is_transpose(weight) and isinstance(weight.args[0], Node):
         if len(weight.users) != 1:
             return f"the transposed weight '{weight.name}' of '{node.name}' has other users"
         wrap, weight, layout = weight, weight.args[0], "nk"
@@ -192,7 +181,7 @@ def _part(item: Node, constant: ConstantOf, cat: Node) -> _Part | str:
         n = w.shape[0] if layout == "nk" else w.shape[1]
         if not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,):
             return f"the bias of '{node.name}' is not a constant of shape [{n}]"
-    return _Part(node, item, a, _source(a), weight, wrap, bias if b is not None else None, w, b, layout)
+    return _Part(node, item, a, input_source(a), weight, wrap, bias if b is not None else None, w, b, layout)
 
 
 def _joins(run: list[_Part], p: _Part) -> bool:

@@ -1,0 +1,315 @@
+"""A GLU's two matmuls as one fused op: the ``mul`` and ``mul_mm`` epilogue rows.
+
+``silu(gate(x)) * up(x)``: the chain from ``gate`` takes ``up``'s matmul in as a
+``mul_mm`` step whose operand is ``up``'s ``[N, K]`` weight. Checked here on CPU:
+the spec and its semantics, the op's argument checks, what the matcher takes
+and what it refuses (each refusal still fuses the ``mul``, as ``mul@i``), the
+rewritten programs against the originals (random programs too), gradients,
+save/load, and how the candidates run such a chain (the small-M kernel's dual
+configs natively, every other kernel expanded). The dual kernel itself runs in
+``tests/gpu/test_nvgemm_glu_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from branchyard.errors import LoweringError
+from branchyard.lowering.nvgemm import candidates as cand
+from branchyard.lowering.nvgemm import fused_gemm_epilogue, nvgemm
+from branchyard.lowering.nvgemm.epilogue import (
+    EpilogueSpec,
+    expand_weight_steps,
+    reference_fused_gemm,
+    unfused_aten_epilogue,
+    weight_products,
+)
+from branchyard.lowering.nvgemm.kernel_config import GemvConfig, small_m_configs
+from branchyard.lowering.nvgemm.kernel_math import plan_steps
+from branchyard.lowering.nvgemm.matcher import find_epilogue_chains
+from branchyard.lowering.nvgemm.problem import Problem
+
+aten = torch.ops.aten
+FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _specs(program) -> list[str]:
+    gm = getattr(program, "graph_module", program)
+    return [n.args[3] for n in gm.graph.nodes if n.target is FUSED]
+
+
+def _count(program, target) -> int:
+    gm = getattr(program, "graph_module", program)
+    return sum(n.target is target for n in gm.graph.nodes)
+
+
+class GLU(nn.Module):
+    """``act(gate(x)) * up(x)`` then ``down``, with the knobs the tests turn."""
+
+    def __init__(self, d=32, h=48, act=F.silu, up_bias=False, swap=False, residual=False):
+        super().__init__()
+        self.gate = nn.Linear(d, h, bias=False)
+        self.up = nn.Linear(d, h, bias=up_bias)
+        self.down = nn.Linear(h, d, bias=False)
+        self.act, self.swap, self.residual = act, swap, residual
+
+    def forward(self, x):
+        if self.swap:  # up's matmul first in the graph
+            u = self.up(x)
+            g = self.act(self.gate(x))
+        else:
+            g, u = self.act(self.gate(x)), self.up(x)
+        y = self.down(g * u)
+        return x + y if self.residual else y
+
+
+# --- the spec and its semantics -------------------------------------------------
+
+
+def test_spec_round_trips_and_expands():
+    spec = EpilogueSpec.parse("w=nk;bias@0;silu;mul_mm@1;scale:0.5;out=bfloat16")
+    assert EpilogueSpec.parse(str(spec)) == spec and spec.num_operands == 2
+    assert str(expand_weight_steps(spec)) == "w=nk;bias@0;silu;mul@1;scale:0.5;out=bfloat16"
+    assert [(s.name, s.operand, s.index) for s in plan_steps(spec)][2] == ("mul_mm", "weight", 1)
+    with pytest.raises(LoweringError, match="malformed operand"):
+        EpilogueSpec.parse("w=nk;mul_mm;out=float32")
+    with pytest.raises(LoweringError, match="numbered 0, 1"):
+        EpilogueSpec.parse("w=nk;mul_mm@1;out=float32")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_op_computes_act_of_one_product_times_the_other(layout):
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu = (torch.randn(*s, generator=g) for s in ((2, 3, 16), (24, 16), (24, 16)))
+    b = wg if layout == "nk" else wg.t().contiguous()
+    out = fused_gemm_epilogue(x, b, [wu], f"w={layout};silu;mul_mm@0;out=float32")
+    torch.testing.assert_close(out, F.silu(x @ wg.t()) * (x @ wu.t()), rtol=1e-5, atol=1e-5)
+    assert out.shape == (2, 3, 24)
+
+
+def test_unfused_path_is_the_original_ops_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    x, wg, wu = (torch.randn(*s, generator=g).bfloat16() for s in ((5, 64), (32, 64), (32, 64)))
+    spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")
+    got = unfused_aten_epilogue(torch.mm(x, wg.t()), spec, [wu], x)
+    assert torch.equal(got, F.silu(F.linear(x, wg)) * F.linear(x, wu))
+    assert torch.equal(fused_gemm_epilogue(x, wg, [wu], str(spec)), got)  # CPU: the unfused path
+    with pytest.raises(LoweringError, match="needs the matmul's input"):
+        unfused_aten_epilogue(torch.mm(x, wg.t()), spec, [wu])
+
+
+def test_bad_second_weight_is_named():
+    x, wg = torch.randn(4, 16), torch.randn(8, 16)
+    for bad in (torch.randn(16, 8), torch.randn(8, 32), torch.randn(8)):
+        with pytest.raises(LoweringError, match=r"second weight \[N, K\] = \[8, 16\]"):
+            fused_gemm_epilogue(x, wg, [bad], "w=nk;mul_mm@0;out=float32")
+
+
+def test_second_weight_of_another_dtype_runs_the_reference_semantics():
+    x, wg, wu = torch.randn(4, 16), torch.randn(8, 16), torch.randn(8, 16).double()
+    out = fused_gemm_epilogue(x, wg, [wu], "w=nk;silu;mul_mm@0;out=float32")
+    torch.testing.assert_close(out, (F.silu(x @ wg.t()).double() * (x.double() @ wu.t())).float())
+
+
+def test_weight_products_replace_only_the_weights():
+    spec = EpilogueSpec.parse("w=nk;bias@0;mul_mm@1;out=float32")
+    a, bias, w2 = torch.randn(3, 8), torch.randn(4), torch.randn(4, 8)
+    ops = weight_products(a, spec, [bias, w2])
+    assert ops[0] is bias and torch.allclose(ops[1], a @ w2.t())
+
+
+# --- what the matcher takes, and what it refuses -------------------------------------
+
+
+def test_exported_glu_is_one_op_and_down():
+    m, x = GLU(residual=True), torch.randn(2, 5, 32)
+    ep = torch.export.export(m, (x,))
+    out = nvgemm(ep)
+    assert _specs(out) == ["w=nk;silu;mul_mm@0;out=float32", "w=nk;residual@0;out=float32"]
+    assert _count(out, aten.linear.default) == 0 and _count(out, aten.mul.Tensor) == 0
+    torch.testing.assert_close(out.module()(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case, spec, why", [
+    ("up_bias", "w=kn;silu;mul@0;out=float32", "has its own bias"),
+    ("up_twice", "w=kn;silu;mul@0;out=float32", "other users"),
+    ("other_input", "w=kn;silu;mul@0;out=float32", "different inputs"),
+    ("not_a_matmul", "w=kn;silu;mul@0;out=float32", None),
+    ("kn_weight", "w=kn;silu;mul@0;out=float32", "not an [N, K]"),
+])
+def test_refusals_still_fuse_the_mul(case, spec, why):
+    wg, wu, wk = torch.randn(48, 32), torch.randn(48, 32), torch.randn(32, 48)
+    bu = torch.randn(48)
+
+    def f(x, y, z):
+        g = F.silu(F.linear(x, wg)) if case != "kn_weight" else F.silu(x @ wk)
+        if case == "up_bias":
+            return g * F.linear(x, wu, bu)
+        if case == "up_twice":
+            u = F.linear(x, wu)
+            return g * u, u
+        if case == "other_input":
+            return g * F.linear(y, wu)
+        if case == "not_a_matmul":
+            return g * z
+        return g * (x @ wk)
+
+    args = (torch.randn(4, 32), torch.randn(4, 32), torch.randn(4, 48))
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(f)(*args)
+    chains = find_epilogue_chains(gm)
+    assert str(chains[0].spec) == spec
+    out = nvgemm(gm)
+    assert _specs(out)[0] == spec and _count(out, aten.mul.Tensor) == 0
+    want, got = f(*args), out(*args)
+    for w, o in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+        torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5)
+    if why is not None:  # the refusal is the reason the matcher gives for the product
+        from branchyard.lowering.nvgemm.matcher import _match_product
+
+        mul = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+        res = _match_product(chains[0], mul, next(a for a in mul.args if a is not chains[0].nodes[-2]))
+        assert isinstance(res, str) and why in res, res
+
+
+def test_up_first_fuses_up_with_the_mul_and_gate_with_its_silu():
+    """The chain that reaches the mul first in graph order takes it."""
+    m, x = GLU(swap=True), torch.randn(6, 32)
+    out = nvgemm(torch.export.export(m, (x,)))
+    assert sorted(_specs(out)) == ["w=nk;mul@0;out=float32", "w=nk;silu;out=float32"]
+    torch.testing.assert_close(out.module()(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_random_glu_programs_match_the_originals():
+    """Forms (linear / matmul / mm, 2-D / 3-D, decomposed or not), activations, the
+    up bias, the order of the mul and steps after it: each rewritten program equals
+    its original, and takes the product in exactly when the rules allow it."""
+    rng = random.Random(7)
+    acts = {"silu": F.silu, "gelu": F.gelu, "relu": torch.relu, "none": lambda t: t}
+    taken = 0
+    for trial in range(24):
+        d, h = rng.choice([16, 32]), rng.choice([24, 48])
+        act, form = rng.choice(list(acts)), rng.choice(["linear", "matmul"])
+        up_bias, swap, after = rng.random() < 0.25, rng.random() < 0.25, rng.choice(["", "scale", "residual"])
+        three_d, decompose = rng.random() < 0.5, rng.random() < 0.5
+        wg, wu, bu = torch.randn(h, d), torch.randn(h, d), torch.randn(h) if up_bias else None
+
+        def mm(x, w, b=None):
+            if form == "linear":
+                return F.linear(x, w, b)
+            return x @ w.t() if b is None else x @ w.t() + b
+
+        class M(nn.Module):
+            def forward(self, x, r):
+                if swap:  # up's matmul first in the graph: it takes the mul
+                    u = mm(x, wu, bu)
+                    g = acts[act](mm(x, wg))
+                else:
+                    g, u = acts[act](mm(x, wg)), mm(x, wu, bu)
+                y = g * u
+                return y * 0.5 if after == "scale" else y + r if after == "residual" else y
+
+        shape = (2, 3, d) if three_d else (6, d)
+        args = (torch.randn(*shape), torch.randn(*shape[:-1], h))
+        ep = torch.export.export(M(), args)
+        if decompose:
+            ep = ep.run_decompositions()
+        out = nvgemm(ep)
+        torch.testing.assert_close(out.module()(*args), M()(*args), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"trial {trial}: {m}")
+        specs = _specs(out)
+        has = any("mul_mm" in s for s in specs)
+        taken += has
+        # up first with no activation on gate: up's chain (its bias a step) takes gate's matmul
+        expect = (not up_bias and not swap) or (swap and act == "none")
+        assert has == expect, (trial, specs, act, form, decompose)
+    assert taken >= 8
+
+
+def test_gradients_flow_through_both_weights():
+    g = torch.Generator().manual_seed(3)
+    x, wg, wu = (torch.randn(*s, generator=g, requires_grad=True) for s in ((4, 16), (8, 16), (8, 16)))
+    out = fused_gemm_epilogue(x, wg, [wu], "w=nk;silu;mul_mm@0;out=float32")
+    grads = torch.autograd.grad(out.sum(), (x, wg, wu))
+    ref = torch.autograd.grad((F.silu(x @ wg.t()) * (x @ wu.t())).sum(), (x, wg, wu))
+    for got, want in zip(grads, ref):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rewritten_program_saves_and_loads():
+    m, x = GLU(), torch.randn(4, 32)
+    out = nvgemm(torch.export.export(m, (x,)))
+    buf = io.BytesIO()
+    torch.export.save(out, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    assert _specs(loaded) == _specs(out)
+    torch.testing.assert_close(loaded.module()(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+# --- how the candidates run it ---------------------------------------------------------
+
+
+def _problem(m=1, n=64, k=128, dtype=torch.bfloat16, w2=None, spec="w=nk;silu;mul_mm@0;out=bfloat16"):
+    s = EpilogueSpec.parse(spec)
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    w2 = torch.randn(n, k, dtype=dtype) if w2 is None else w2
+    return Problem.of(a, b.t(), [w2], s), a, b, w2
+
+
+def test_unfused_candidate_runs_the_chain():
+    p, a, b, w2 = _problem(m=3, dtype=torch.float32, spec="w=nk;silu;mul_mm@0;out=float32")
+    names = [c.name for c in cand.default_candidates(p, inductor=False)]
+    assert names[-1] == cand.UNFUSED and not any("gemv" in n for n in names)  # no CuTeDSL on CPU
+    impl = cand._aten_build(p)
+    out = impl(a, b.t(), [w2], torch.empty(3, 64))
+    torch.testing.assert_close(out, reference_fused_gemm(a, b, [w2], EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=float32")))
+
+
+def test_tiled_kernels_get_the_expanded_chain_and_the_dual_config_the_chain(monkeypatch):
+    from branchyard.lowering.nvgemm import cutedsl_gemm
+    from branchyard.lowering.nvgemm.kernel_config import GemmConfig
+
+    seen = []
+
+    def fake_compile(spec, dtype, config, **kw):
+        seen.append((str(spec), kw["operand_dtypes"]))
+
+        def fn(a, b_kn, operands, out):
+            out.copy_(unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands), a))
+
+        return fn
+
+    monkeypatch.setattr(cutedsl_gemm, "compile_fused_gemm", fake_compile)
+    p, a, b, w2 = _problem(m=2, dtype=torch.float32, spec="w=nk;silu;mul_mm@0;out=float32")
+    impl = cand._cutedsl_build(p, GemmConfig(128, 128))
+    out = impl(a, b.t(), [w2], torch.empty(2, 64))
+    assert seen[-1] == ("w=kn;silu;mul@0;out=float32", [torch.float32])
+    torch.testing.assert_close(out, F.silu(a @ b.t()) * (a @ w2.t()))
+    cand._cutedsl_build(p, GemvConfig(8, 8, dual=True))
+    assert seen[-1] == ("w=kn;silu;mul_mm@0;out=float32", [torch.float32])
+
+
+def test_small_m_dual_configs_and_their_refusals():
+    assert GemvConfig(8, 8, dual=True).name == "gemv_m8_w8_dual"
+    assert GemvConfig(8, 8, dual=True).registers == GemvConfig(8, 8, rows=32).registers
+    with pytest.raises(LoweringError, match="dual with rows=32"):
+        GemvConfig(8, 8, rows=32, dual=True)
+    configs = small_m_configs(16, 14336, 4096, dual=True)
+    assert configs and all(c.dual and c.rows == 16 for c in configs)
+    assert small_m_configs(64, 14336, 4096, dual=True) == []  # two tiles of 64 rows do not fit
+    p, *_ = _problem()
+    assert cand._small_m_applies(p) is None
+    p, *_ = _problem(w2=torch.randn(64, 128, dtype=torch.float16))
+    assert "dtype differs" in cand._small_m_applies(p)
+    p, *_ = _problem(w2=torch.randn(128, 64, dtype=torch.bfloat16).t())
+    assert "not row-major" in cand._small_m_applies(p)

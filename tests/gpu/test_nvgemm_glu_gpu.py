@@ -65,9 +65,8 @@ def _launch(spec, config, a, w, ops) -> torch.Tensor:
     return out
 
 
-def _shapes(config) -> list[tuple[int, int]]:
-    # one CTA and one K step; 3 steps; 21 and 67 steps (groups, then single steps); Llama-3-8B's gate/up
-    return [(16, 64), (48, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
+# (N, K): one CTA and one K step; 3 steps; 21 and 67 steps (groups, then single steps); Llama-3-8B's gate/up
+SHAPES = [(16, 64), (48, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
 
 
 @needs_cutedsl
@@ -76,7 +75,7 @@ def test_every_dual_config_matches_float64(config) -> None:
     spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")
     failures = []
     for m in sorted({1, 5, config.m_block, config.m_block + 3}):
-        for n, k in _shapes(config):
+        for n, k in SHAPES:
             a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=m + n + k)
             try:
                 check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
@@ -115,9 +114,10 @@ class GatedMLP(nn.Module):
 @needs_cutedsl
 @pytest.mark.parametrize("calling", ["eager", "graph"])
 @pytest.mark.parametrize("m", [1, 16, 200])
-def test_gated_mlp_block_rewrite(calling: str, m: int) -> None:
+def test_gated_mlp_block_rewrite(calling: str, m: int, monkeypatch) -> None:
     """The block's rewrite takes gate, silu, up and the mul into one op; whatever the
     race keeps, the program's output matches the block's, eagerly and replayed."""
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")  # max-autotune compiles for minutes
     torch.manual_seed(m)
     block = GatedMLP(512, 1536).cuda().to(torch.bfloat16).eval()
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
@@ -138,10 +138,11 @@ def test_gated_mlp_block_rewrite(calling: str, m: int) -> None:
 
 
 @needs_cutedsl
-def test_the_tuner_races_the_dual_kernel_against_the_expanded_ones() -> None:
+def test_the_tuner_races_the_dual_kernel_against_the_expanded_ones(monkeypatch) -> None:
     """At M = 1 on Llama-3-8B's gate/up the dual configs are among the timed candidates,
     and the winner (whatever it is) matches the reference."""
     spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
     a, w, ops = _inputs(spec, 1, 14336, 4096, torch.bfloat16, seed=11)
     result = nv_tuner.Autotuner(progress=False).tune(a, w.t(), ops, spec, "device")
     assert any(name.endswith("_dual") for name in result.timings), (result.timings, result.excluded)

@@ -129,11 +129,15 @@ def test_weight_products_replace_only_the_weights():
 # --- what the matcher takes, and what it refuses -------------------------------------
 
 
-def test_exported_glu_is_one_op_and_down():
-    m, x = GLU(residual=True), torch.randn(2, 5, 32)
+@pytest.mark.parametrize("shape", [(2, 5, 32), (1, 32), (1, 1, 32)])
+def test_exported_glu_is_one_op_and_down(shape):
+    """At M = 1 the product ``[1, N]`` reads as a per-column vector (``scale_col``): it
+    is taken in all the same (and the residual ``x`` reads as a bias)."""
+    m, x = GLU(residual=True), torch.randn(*shape)
     ep = torch.export.export(m, (x,))
     out = nvgemm(ep)
-    assert _specs(out) == ["w=nk;silu;mul_mm@0;out=float32", "w=nk;residual@0;out=float32"]
+    down = "w=nk;residual@0;out=float32" if shape[-2] > 1 else "w=nk;bias@0;out=float32"
+    assert _specs(out) == ["w=nk;silu;mul_mm@0;out=float32", down]
     assert _count(out, aten.linear.default) == 0 and _count(out, aten.mul.Tensor) == 0
     torch.testing.assert_close(out.module()(x), m(x), rtol=1e-5, atol=1e-5)
 

@@ -21,6 +21,9 @@ Each row (:class:`EpilogueOp`) says, as data:
   rounds to the tensor dtype after every step, as the original graph did);
 * ``kernel_formula`` -- the same function in the form the GPU kernel emits,
   where that is cheaper (``None``: the kernel runs ``formula``);
+* ``product`` -- the ``weight`` row a step of this row becomes when its
+  operand is a second matmul of the chain's own input (``mul`` and, where M
+  is 1 and ``[1, N]`` reads as a per-column vector, ``scale_col``);
 * ``expands_to`` -- for a ``weight`` row, the ``matrix`` row it is once the
   product ``a @ w.T`` is computed on its own (what every kernel but the
   small-M one, which reads both weights in one pass, runs);
@@ -317,6 +320,8 @@ class EpilogueOp:
     cublaslt: Literal["relu", "gelu"] | None = None
     #: A ``weight`` row's ``matrix`` row: the step applied to the product ``a @ w.T``.
     expands_to: str | None = None
+    #: The ``weight`` row this step becomes when its operand is ``a @ w2.T`` (a GLU's ``up``).
+    product: str | None = None
 
     def apply(self, x: Any, operand: Any, m: Any) -> Any:
         """Evaluate the formula; ``operand`` is ignored for ``none``/``dtype`` rows."""
@@ -389,11 +394,12 @@ EPILOGUE_TABLE: tuple[EpilogueOp, ...] = (
                lambda x, c, m: x * c, lambda x, c: x * c, "x * c, or x / (1/c) (c a Python float)",
                addmm="alpha"),
     EpilogueOp("scale_col", _MUL, "col", _match_col,
-               lambda x, v, m: x * v, lambda x, v: x * v, "x * scale[N]"),
+               lambda x, v, m: x * v, lambda x, v: x * v, "x * scale[N]", product="mul_mm"),
     EpilogueOp("residual", _ADD, "matrix", _match_matrix,
                lambda x, r, m: x + r, lambda x, r: x + r, "x + residual[M, N]", addmm="c"),
     EpilogueOp("mul", _MUL, "matrix", _match_matrix,
-               lambda x, y, m: x * y, lambda x, y: x * y, "x * y[M, N] (a gate, as in SwiGLU)"),
+               lambda x, y, m: x * y, lambda x, y: x * y, "x * y[M, N] (a gate, as in SwiGLU)",
+               product="mul_mm"),
     EpilogueOp("mul_mm", (), "weight", lambda node, x: "matched from a 'mul' whose operand is a matmul",
                lambda x, y, m: x * y, lambda x, y: x * y, "x * (a @ w2.T), w2 [N, K] (gate and up of a GLU)",
                expands_to="mul"),

@@ -421,11 +421,11 @@ def _walk(chain: EpilogueChain) -> None:
             chain.near_miss = True
             break
         consumed: list[Node] = []
-        if row.name == "mul":
+        if row.product is not None and isinstance(got, Node):
             product = _match_product(chain, u, got)
             if not isinstance(product, str):
                 got, consumed = product
-                row = EPILOGUE_OPS["mul_mm"]
+                row = EPILOGUE_OPS[row.product]
         chain.nodes += pending_views + consumed + [u]
         chain.checks += pending_checks + checks
         pending_views, pending_checks = [], []

@@ -14,6 +14,7 @@ import torch
 from torch._higher_order_ops.while_loop import while_loop
 
 import branchyard
+import branchyard.compiler  # noqa: F401 -- registers the "branchyard" backend where no entry point does (a checkout on PYTHONPATH)
 import branchyard.lowering
 from branchyard._compat import HAS_SWITCH, TORCH_VERSION
 from branchyard.errors import DataDependentShapeError, SpecViolationError

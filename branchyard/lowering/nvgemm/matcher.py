@@ -352,7 +352,7 @@ def _match_product(chain: EpilogueChain, mul: Node, other: Node) -> tuple[Node, 
     if isinstance(root, str):
         return root
     if root.steps:
-        return f"the matmul '{node.name}' has its own bias"
+        return f"the matmul '{node.name}' has its own {' and '.join(op.name for op, _ in root.steps)}"
     w2, w1 = _weight_nk(root), _weight_nk(MatmulRoot(chain.root, chain.a, chain.b, chain.weight_layout, []))
     if w2 is None or w1 is None:
         return "a weight is not an [N, K] (nn.Linear) weight"

@@ -48,3 +48,57 @@ def check_against_reference(out: torch.Tensor, ref: torch.Tensor, what: str) -> 
     assert err.max().item() <= tol * scale / 4, (
         f"{what}: worst at [{row}, {col}]: got {out[row, col].item():.6g}, reference {ref[row, col].item():.6g}"
     )
+
+
+# --- the small-M kernel against float64 (test_nvgemm_small_m_gpu.py, test_nvgemm_glu_gpu.py) ---
+
+
+def small_m_inputs(spec, m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """``(a [M, K], w [N, K], operands)`` for ``spec`` on CUDA: per-column vectors,
+    ``[M, N]`` matrices and second ``[N, K]`` weights where its steps take them."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, generator=gen, device="cuda") / k**0.25).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.25).to(dtype)
+    ops = []
+    for step in spec.steps:
+        kind = step.op.operand
+        if kind == "col":
+            ops.append(torch.randn(n, generator=gen, device="cuda").to(dtype))
+        elif kind == "matrix":
+            ops.append(torch.randn(m, n, generator=gen, device="cuda").to(dtype))
+        elif kind == "weight":
+            ops.append((torch.randn(n, k, generator=gen, device="cuda") / k**0.25).to(dtype))
+    return a, w, ops
+
+
+def float64_reference(a, w, ops, spec) -> torch.Tensor:
+    """float64 products and epilogue, one rounding to the output dtype."""
+    from branchyard.lowering.nvgemm.epilogue import reference_epilogue
+
+    acc = a.double() @ w.double().t()
+    return reference_epilogue(acc, spec, [o.double() for o in ops], a=a.double()).to(spec.out_dtype)
+
+
+def launch_small_m(spec, config, a, w, ops) -> torch.Tensor:
+    """Compile ``spec`` for ``config`` and run it once into a NaN-poisoned output."""
+    from branchyard.lowering.nvgemm import cutedsl_gemm
+
+    fn = cutedsl_gemm.compile_fused_gemm(spec, a.dtype, config, operand_dtypes=[o.dtype for o in ops])
+    out = torch.full((a.shape[0], w.shape[0]), float("nan"), dtype=spec.out_dtype, device="cuda")
+    fn(a, w.t(), ops, out)
+    torch.cuda.synchronize()
+    return out
+
+
+def check_small_m_shapes(spec, config, m: int, shapes, dtype: torch.dtype = torch.bfloat16) -> None:
+    """``config`` against the float64 reference at every ``(N, K)``; every failure is reported."""
+    failures = []
+    for n, k in shapes:
+        a, w, ops = small_m_inputs(spec, m, n, k, dtype, seed=n + k + m)
+        try:
+            check_against_reference(launch_small_m(spec, config, a, w, ops), float64_reference(a, w, ops, spec),
+                                    f"M={m} N={n} K={k} {config.name}")
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
+

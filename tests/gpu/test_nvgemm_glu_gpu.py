@@ -17,14 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from branchyard.lowering.nvgemm import cutedsl_gemm as cg
 from branchyard.lowering.nvgemm import nvgemm
 from branchyard.lowering.nvgemm import tuner as nv_tuner
-from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_epilogue
+from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
 from branchyard.lowering.nvgemm.kernel_config import small_m_configs
 from branchyard.lowering.nvgemm.matcher import find_epilogue_chains
 
-from nvgemm_gpu_support import capture_after_warmup, needs_cutedsl
+from nvgemm_gpu_support import (
+    capture_after_warmup,
+    check_small_m_shapes,
+    float64_reference,
+    needs_cutedsl,
+    small_m_inputs,
+)
 from nvgemm_gpu_support import check_against_reference as check
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
@@ -36,36 +41,6 @@ def test_dual_configs_are_listed_up_to_m_32():
     assert {c.unroll for c in DUAL} == {1, 2, 4}
 
 
-def _inputs(spec: EpilogueSpec, m: int, n: int, k: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    a = (torch.randn(m, k, generator=gen, device="cuda") / k**0.25).to(dtype)
-    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.25).to(dtype)
-    ops = []
-    for step in spec.steps:
-        kind = step.op.operand
-        if kind == "weight":
-            ops.append((torch.randn(n, k, generator=gen, device="cuda") / k**0.25).to(dtype))
-        elif kind == "col":
-            ops.append(torch.randn(n, generator=gen, device="cuda").to(dtype))
-        elif kind == "matrix":
-            ops.append(torch.randn(m, n, generator=gen, device="cuda").to(dtype))
-    return a, w, ops
-
-
-def _reference(a, w, ops, spec: EpilogueSpec) -> torch.Tensor:
-    """float64 products and epilogue, one rounding to the output dtype."""
-    acc = a.double() @ w.double().t()
-    return reference_epilogue(acc, spec, [o.double() for o in ops], a=a.double()).to(spec.out_dtype)
-
-
-def _launch(spec, config, a, w, ops) -> torch.Tensor:
-    fn = cg.compile_fused_gemm(spec, a.dtype, config, operand_dtypes=[o.dtype for o in ops])
-    out = torch.full((a.shape[0], w.shape[0]), float("nan"), dtype=spec.out_dtype, device="cuda")
-    fn(a, w.t(), ops, out)
-    torch.cuda.synchronize()
-    return out
-
-
 # (N, K): one CTA and one K step; 3 steps; 21 and 67 steps (groups, then single steps); Llama-3-8B's gate/up
 SHAPES = [(16, 64), (48, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
 
@@ -74,15 +49,8 @@ SHAPES = [(16, 64), (48, 192), (2048, 1344), (1024, 4288), (14336, 4096)]
 @pytest.mark.parametrize("config", DUAL, ids=lambda c: c.name)
 def test_every_dual_config_matches_float64(config) -> None:
     spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")
-    failures = []
     for m in sorted({1, 5, config.m_block, config.m_block + 3}):
-        for n, k in SHAPES:
-            a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=m + n + k)
-            try:
-                check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
-            except AssertionError as exc:
-                failures.append(str(exc))
-    assert not failures, "\n".join(failures)
+        check_small_m_shapes(spec, config, m, SHAPES)
 
 
 @needs_cutedsl
@@ -97,8 +65,7 @@ def test_steps_around_the_product(chain: str, out: str, m: int) -> None:
     dtype = torch.float16 if out == "float16" else torch.bfloat16
     spec = EpilogueSpec.parse(f"w=nk;{chain};out={out}")
     config = small_m_configs(m, 4096, 4096, dual=True)[0]
-    a, w, ops = _inputs(spec, m, 4096, 1024, dtype, seed=m)
-    check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"{chain} M={m} {config.name}")
+    check_small_m_shapes(spec, config, m, [(4096, 1024)], dtype)
 
 
 class GatedMLP(nn.Module):
@@ -146,10 +113,10 @@ def test_the_tuner_races_the_dual_kernel_against_the_expanded_ones(monkeypatch) 
     and the winner (whatever it is) matches the reference."""
     spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
-    a, w, ops = _inputs(spec, 1, 14336, 4096, torch.bfloat16, seed=11)
+    a, w, ops = small_m_inputs(spec, 1, 14336, 4096, torch.bfloat16, seed=11)
     result = nv_tuner.Autotuner(progress=False).tune(a, w.t(), ops, spec, "device")
     assert any(name.endswith("_dual") for name in result.timings), (result.timings, result.excluded)
     out = torch.full((1, 14336), float("nan"), dtype=torch.bfloat16, device="cuda")
     res = result.impl(a, w.t(), ops, out)
     torch.cuda.synchronize()
-    check(out if res is None else res, _reference(a, w, ops, spec), f"tuned: {result.winner}")
+    check(out if res is None else res, float64_reference(a, w, ops, spec), f"tuned: {result.winner}")

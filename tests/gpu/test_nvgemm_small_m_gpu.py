@@ -24,14 +24,17 @@ import torch
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import NvGemmFallbackWarning, fused_gemm_epilogue
 from branchyard.lowering.nvgemm import candidates as nv_candidates
-from branchyard.lowering.nvgemm import cutedsl_gemm as cg
 from branchyard.lowering.nvgemm import op as op_mod
 from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm import winners as nv_winners
-from branchyard.lowering.nvgemm.epilogue import EPILOGUE_TABLE, EpilogueSpec, reference_epilogue
+from branchyard.lowering.nvgemm.epilogue import EPILOGUE_TABLE, EpilogueSpec
 from branchyard.lowering.nvgemm.kernel_config import GemvConfig, small_m_configs
 
 from nvgemm_gpu_support import check_against_reference as _check
+from nvgemm_gpu_support import check_small_m_shapes as _check_shapes
+from nvgemm_gpu_support import float64_reference as _reference
+from nvgemm_gpu_support import launch_small_m as _launch
+from nvgemm_gpu_support import small_m_inputs as _inputs
 from nvgemm_gpu_support import needs_cutedsl
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,33 +70,6 @@ def test_chains_cover_every_table_row():
 
 def _spec(chain: str, out: str) -> EpilogueSpec:
     return EpilogueSpec.parse(";".join(filter(None, ["w=nk", chain, f"out={out}"])))
-
-
-def _inputs(spec: EpilogueSpec, m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    a = (torch.randn(m, k, generator=gen, device="cuda") / k**0.25).to(dtype)
-    w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.25).to(dtype)
-    ops: list[torch.Tensor] = []
-    for step in spec.steps:
-        if step.op.operand == "col":
-            ops.append(torch.randn(n, generator=gen, device="cuda").to(dtype))
-        elif step.op.operand == "matrix":
-            ops.append(torch.randn(m, n, generator=gen, device="cuda").to(dtype))
-    return a, w, ops
-
-
-def _reference(a, w, ops, spec: EpilogueSpec) -> torch.Tensor:
-    """float64 matmul and epilogue, one rounding to the output dtype."""
-    acc = a.double() @ w.double().t()
-    return reference_epilogue(acc, spec, [o.double() for o in ops]).to(spec.out_dtype)
-
-
-def _launch(spec: EpilogueSpec, config: GemvConfig, a, w, ops) -> torch.Tensor:
-    fn = cg.compile_fused_gemm(spec, a.dtype, config, operand_dtypes=[o.dtype for o in ops])
-    out = torch.full((a.shape[0], w.shape[0]), float("nan"), dtype=spec.out_dtype, device="cuda")
-    fn(a, w.t(), ops, out)
-    torch.cuda.synchronize()
-    return out
 
 
 @needs_cutedsl
@@ -167,18 +143,6 @@ def _variant_nk(config: GemvConfig) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("m", [1, 8, 9, 16, 17, 64])
 def test_variants_at_every_k_remainder(config: GemvConfig, m: int) -> None:
     _check_shapes(_spec("bias@0;silu;residual@1", "bfloat16"), config, m, _variant_nk(config))
-
-
-def _check_shapes(spec, config: GemvConfig, m: int, shapes) -> None:
-    """``config`` against the float64 reference at every ``(N, K)``; every failure is reported."""
-    failures = []
-    for n, k in shapes:
-        a, w, ops = _inputs(spec, m, n, k, torch.bfloat16, seed=n + k + m)
-        try:
-            _check(_launch(spec, config, a, w, ops), _reference(a, w, ops, spec), f"M={m} N={n} K={k} {config.name}")
-        except AssertionError as exc:
-            failures.append(str(exc))
-    assert not failures, "\n".join(failures)
 
 
 def _variant(kind: str, m: int) -> GemvConfig:

@@ -199,18 +199,34 @@ def test_refusals_still_fuse_the_mul(case, spec, why):
         assert isinstance(res, str) and why in res, res
 
 
-def test_up_first_fuses_up_with_the_mul_and_gate_with_its_silu():
-    """The chain that reaches the mul first in graph order takes it."""
+def test_up_first_in_the_graph_still_gives_one_op():
+    """``up(x)`` computed before ``silu(gate(x))``: up's bare matmul leaves the mul to
+    gate's chain, which takes it in as the product (one op, not two)."""
     m, x = GLU(swap=True), torch.randn(6, 32)
+    ep = torch.export.export(m, (x,))
+    chains = {c.root.name: c for c in find_epilogue_chains(ep.graph_module)}
+    assert chains["linear"].deferred and not chains["linear"].plain  # up: never raced as a plain GEMM
+    assert "goes with the chain of 'linear_1'" in chains["linear"].reason
+    out = nvgemm(ep)
+    assert _specs(out) == ["w=nk;silu;mul_mm@0;out=float32"]
+    assert _count(out, aten.linear.default) == 1  # down
+    torch.testing.assert_close(out.module()(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_biased_up_takes_a_bare_gate_in():
+    """No activation on gate and a bias on up: gate's bare matmul defers to up's chain,
+    which takes gate in after its bias (``(a @ wu.T + b) * (a @ wg.T)``)."""
+    m, x = GLU(act=lambda t: t, up_bias=True), torch.randn(6, 32)
     out = nvgemm(torch.export.export(m, (x,)))
-    assert sorted(_specs(out)) == ["w=nk;mul@0;out=float32", "w=nk;silu;out=float32"]
+    assert _specs(out) == ["w=nk;bias@0;mul_mm@1;out=float32"]
     torch.testing.assert_close(out.module()(x), m(x), rtol=1e-5, atol=1e-5)
 
 
 def test_random_glu_programs_match_the_originals():
     """Forms (linear / matmul / mm, 2-D / 3-D, decomposed or not), activations, the
-    up bias, the order of the mul and steps after it: each rewritten program equals
-    its original, and takes the product in exactly when the rules allow it."""
+    up bias, which matmul comes first in the graph and steps after the mul: each
+    rewritten program equals its original, and takes the product in exactly when
+    the rules allow it."""
     rng = random.Random(7)
     acts = {"silu": F.silu, "gelu": F.gelu, "relu": torch.relu, "none": lambda t: t}
     taken = 0
@@ -247,8 +263,9 @@ def test_random_glu_programs_match_the_originals():
         specs = _specs(out)
         has = any("mul_mm" in s for s in specs)
         taken += has
-        # up first with no activation on gate: up's chain (its bias a step) takes gate's matmul
-        expect = (not up_bias and not swap) or (swap and act == "none")
+        # a bare matmul leaves the mul to its sibling's chain, in either graph order; a biased
+        # up is never a product, but takes a bare gate in (no activation) as its own
+        expect = not up_bias or act == "none"
         assert has == expect, (trial, specs, act, form, decompose)
     assert taken >= 8
 

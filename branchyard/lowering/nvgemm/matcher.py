@@ -27,6 +27,9 @@ second weight, ``[N, K]``), so one kernel can read both weights::
     u  = aten.linear(x, w_up)            # one user (the mul), no bias, same x, same [N, K]
     y  = aten.mul(s, u)                  # mul_mm@0, operand w_up
 
+In the other graph order (``u`` before ``g``) up's bare matmul stops before the
+``mul`` and leaves it to gate's chain, which takes up in the same way.
+
 Every matcher here is a run of guard clauses returning a match or a reason
 string; :func:`find_epilogue_chains` returns one :class:`EpilogueChain` per
 matmul root, fusable or not (``chain.reason`` says why not).
@@ -107,7 +110,8 @@ class EpilogueChain:
     it simply ran out of epilogue ops). ``plain`` marks a chain declined only
     because nothing follows the matmul to fuse (a plain GEMM, or ``addmm``
     with its own bias): the op can still run it, with other kernels than
-    cuBLAS's, where a race shows that pays (see ``NvGemmPass``).
+    cuBLAS's, where a race shows that pays (see ``NvGemmPass``); ``deferred`` marks
+    a bare matmul left for a sibling's chain to take in as its product (not plain).
     """
 
     root: Node
@@ -123,6 +127,8 @@ class EpilogueChain:
     stop_node: Node | None = None
     near_miss: bool = False
     plain: bool = False
+    #: Stopped before a ``mul`` that a sibling's chain takes with this matmul as its product.
+    deferred: bool = False
 
     @property
     def fusable(self) -> bool:
@@ -366,12 +372,35 @@ def _match_product(chain: EpilogueChain, mul: Node, other: Node) -> tuple[Node, 
     return w2, own + [node] + views[::-1]
 
 
+def _sibling_taking(chain: EpilogueChain, mul: Node, other: Node) -> Node | None:
+    """The root of another matmul whose chain reaches ``mul`` as ``other`` and takes
+    ``chain``'s bare matmul in as its product (``up(x) * silu(gate(x))``, up first in
+    graph order: gate's chain, which reads both weights in one kernel), else ``None``."""
+    seen, frontier = {other}, [other]
+    for _ in range(2 * MAX_STEPS):  # back from ``other`` through the sibling chain's nodes
+        nxt = []
+        for node in frontier:
+            if node.op != "call_function" or node is chain.root:
+                continue
+            if node.target in MATMUL_ROOTS:
+                sibling = match_chain(node, defer=False)
+                if sibling.fusable and mul in sibling.nodes and chain.root in sibling.nodes:
+                    return node
+                continue
+            nxt += [arg for arg in node.all_input_nodes if arg not in seen]
+            seen.update(node.all_input_nodes)
+        frontier = nxt
+    return None
+
+
 def _narrowing(dtype: torch.dtype) -> bool:
     return dtype.itemsize < 4
 
 
-def _walk(chain: EpilogueChain) -> None:
-    """Extend ``chain`` forward from its root; fills ``steps``, ``nodes``, ``stop``."""
+def _walk(chain: EpilogueChain, defer: bool = True) -> None:
+    """Extend ``chain`` forward from its root; fills ``steps``, ``nodes``, ``stop``.
+    With ``defer``, a bare matmul stops before a ``mul`` that a sibling chain would
+    take with this matmul as its product (see :func:`_sibling_taking`)."""
     x = chain.root
     pending_views: list[Node] = []
     pending_checks: list[Node] = []
@@ -426,6 +455,12 @@ def _walk(chain: EpilogueChain) -> None:
             if not isinstance(product, str):
                 got, consumed = product
                 row = EPILOGUE_OPS[row.product]
+            elif defer and not chain.steps and (taker := _sibling_taking(chain, u, got)) is not None:
+                chain.stop = (f"'{u.name}' goes with the chain of '{taker.name}', which takes this matmul "
+                              "in as its second product")
+                chain.stop_node = u
+                chain.deferred = True
+                break
         chain.nodes += pending_views + consumed + [u]
         chain.checks += pending_checks + checks
         pending_views, pending_checks = [], []
@@ -445,8 +480,9 @@ def _is_only_root_bias(chain: EpilogueChain) -> bool:
     return chain.nodes == [chain.root] and [op.name for op, _ in chain.steps] == ["bias"]
 
 
-def match_chain(node: Node) -> EpilogueChain:
-    """The chain rooted at matmul ``node`` (``chain.reason`` set if declined)."""
+def match_chain(node: Node, *, defer: bool = True) -> EpilogueChain:
+    """The chain rooted at matmul ``node`` (``chain.reason`` set if declined); ``defer``:
+    see :func:`_walk`."""
     chain = EpilogueChain(root=node)
     root = match_matmul(node)
     if isinstance(root, str):
@@ -455,10 +491,10 @@ def match_chain(node: Node) -> EpilogueChain:
     chain.a, chain.b, chain.weight_layout = root.a, root.b, root.weight_layout
     chain.steps = list(root.steps)
     chain.nodes = [node]
-    _walk(chain)
+    _walk(chain, defer)
     if chain.nodes == [node] and not chain.steps:
         chain.reason = f"nothing to fuse after the matmul: {chain.stop}"
-        chain.plain = True
+        chain.plain = not chain.deferred  # a deferred matmul is left for its sibling's chain
     elif _is_only_root_bias(chain):
         chain.reason = (
             f"only the matmul's own bias, which addmm already applies in its epilogue; {chain.stop}"

@@ -47,6 +47,7 @@ import torch
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.epilogue import (
+    TENSOR_OPERANDS,
     EpilogueSpec,
     addmm_prefix,
     cublaslt_prefix,
@@ -367,7 +368,7 @@ def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     expand = _has_weight_step(spec) and not getattr(config, "dual", False)
     if expand:  # a @ w2.T by torch.mm first: the kernel's operand is that [M, N] product
         dtypes = [problem.dtype if s.op.operand == "weight" else dtypes[s.operand]  # type: ignore[index]
-                  for s in spec.steps if s.op.operand in ("col", "matrix", "weight")]
+                  for s in spec.steps if s.op.operand in TENSOR_OPERANDS]
         spec = expand_weight_steps(spec)
     # compile_fused_gemm keeps compiled kernels in the on-disk KernelCache, so
     # a later process loads them in milliseconds instead of recompiling.

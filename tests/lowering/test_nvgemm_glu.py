@@ -402,3 +402,95 @@ def test_glus_inside_cond_branches():
                          ["w=nk;silu;mul_mm@0;out=float32", "w=nk;residual@0;scale:2.0;out=float32"]]
     for p in (1.0, -1.0):
         torch.testing.assert_close(out.module()(x, torch.tensor(p)), m(x, torch.tensor(p)), rtol=1e-5, atol=1e-5)
+
+
+# --- one matmul on stacked gate and up weights, halved (Phi-3's gate_up_proj) -------------
+
+
+class StackedGLU(nn.Module):
+    def __init__(self, d=32, h=48, how="chunk", swap=False, bias=False):
+        super().__init__()
+        self.gate_up = nn.Linear(d, 2 * h, bias=bias)
+        self.down = nn.Linear(h, d, bias=False)
+        self.how, self.h, self.swap = how, h, swap
+
+    def forward(self, x):
+        gu = self.gate_up(x)
+        if self.how == "chunk":
+            g, u = gu.chunk(2, dim=-1)
+        elif self.how == "split":
+            g, u = gu.split(self.h, dim=-1)
+        else:
+            g, u = torch.split(gu, [self.h, self.h], dim=-1)
+        if self.swap:
+            g, u = u, g
+        return x + self.down(F.silu(g) * u)
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+@pytest.mark.parametrize("shape", [(2, 5, 32), (1, 32)])
+@pytest.mark.parametrize("how, swap", [("chunk", False), ("split", True), ("sizes", False)])
+def test_a_halved_stacked_weight_is_one_op_on_its_row_halves(how, swap, shape, decompose):
+    m, x = StackedGLU(how=how, swap=swap), torch.randn(*shape)
+    ep = torch.export.export(m, (x,))
+    if decompose:
+        ep = ep.run_decompositions()
+    out = nvgemm(ep)
+    assert _specs(out)[0] == "w=nk;silu;mul_mm@0;out=float32"
+    slices = [n for n in out.graph_module.graph.nodes if n.target is aten.slice.Tensor]
+    gate, up = (0, 48) if not swap else (48, 96)
+    assert [(s.args[0].name, s.args[2], s.args[3]) for s in slices] == [
+        ("p_gate_up_weight", gate, gate + 48), ("p_gate_up_weight", 48 - gate, 96 - gate)]
+    left = {n.target for n in out.graph_module.graph.nodes}
+    assert not left & {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.mul.Tensor}
+    torch.testing.assert_close(out.module()(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case, why", [
+    ("bias", None),                                   # a bias on the stacked weight: not a bare matmul
+    ("unequal", "not into two equal halves"),
+    ("not_last", "not the output's last"),
+    ("read_twice", "neither half reaches a mul by the other"),  # up is also returned
+    ("added", "neither half reaches a mul by the other"),
+])
+def test_halved_matmuls_that_stay_as_they_are(case, why):
+    w, b = torch.randn(96, 32), torch.randn(96)
+
+    def f(x):
+        gu = F.linear(x, w, b if case == "bias" else None)
+        if case == "unequal":
+            g, u = gu.split([40, 56], dim=-1)
+            return F.silu(g).sum(-1, keepdim=True) * u
+        if case == "not_last":
+            g, u = gu.chunk(2, dim=0)
+            return F.silu(g) * u
+        g, u = gu.chunk(2, dim=-1)
+        if case == "read_twice":
+            return F.silu(g) * u, u
+        if case == "added":
+            return F.silu(g) + u
+        return F.silu(g) * u
+
+    x = torch.randn(4, 32)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(f)(x)
+    (chain,) = find_epilogue_chains(gm)
+    assert not any(op.name == "mul_mm" for op, _ in chain.steps)
+    if why is not None:
+        assert why in chain.stop, chain.stop
+    out = nvgemm(gm)
+    want, got = f(x), out(x)
+    for w_, g_ in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
+
+
+def test_a_halved_program_saves_and_loads():
+    m, x = StackedGLU(), torch.randn(3, 32)
+    out = nvgemm(torch.export.export(m, (x,)))
+    buf = io.BytesIO()
+    torch.export.save(out, buf)
+    buf.seek(0)
+    loaded = torch.export.load(buf)
+    assert _specs(loaded) == _specs(out)
+    torch.testing.assert_close(loaded.module()(x), m(x), rtol=1e-5, atol=1e-5)

@@ -63,7 +63,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from branchyard.lowering.nvgemm.matcher import MATMUL_ROOTS, EpilogueChain, match_chain
+from branchyard.lowering.nvgemm.matcher import MATMUL_ROOTS, EpilogueChain, WeightRows, match_chain
 from branchyard.lowering.nvgemm.op import fused_gemm_epilogue
 from branchyard.lowering.nvgemm.program_race import (
     Calling,
@@ -114,8 +114,10 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
     end = chain.end
     spec = str(chain.spec)
     target = fused_gemm_epilogue
-    args = (chain.a, chain.b, list(chain.operands), spec)
     with graph.inserting_before(end):
+        b, *operands = (_weight_rows(graph, v) if isinstance(v, WeightRows) else v
+                        for v in (chain.b, *chain.operands))
+        args = (chain.a, b, operands, spec)
         fused = graph.call_function(target, args)
         fused.meta["val"] = _fake_val(target, args)
         for key in _COPIED_META:
@@ -123,7 +125,8 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
                 fused.meta[key] = chain.root.meta[key]
         result = fused
         if chain.out_view is not None and tuple(fused.meta["val"].shape) != tuple(end.meta["val"].shape):
-            shape = chain.out_view.args[1]
+            # the chain's leading dims; the last is N (a halved matmul's view has 2N there)
+            shape = [*chain.out_view.args[1][:-1], fused.meta["val"].shape[-1]]
             result = graph.call_function(aten.view.default, (fused, shape))
             result.meta["val"] = _fake_val(aten.view.default, (fused, shape))
     end.replace_all_uses_with(result)
@@ -134,7 +137,17 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
     return fused
 
 
-def _shape(node: Node) -> str:
+def _weight_rows(graph: torch.fx.Graph, rows: WeightRows) -> Node:
+    """``rows`` as a graph value: ``aten.slice`` of its weight (a view, no copy)."""
+    args = (rows.source, 0, rows.start, rows.stop)
+    node = graph.call_function(aten.slice.Tensor, args)
+    node.meta["val"] = _fake_val(aten.slice.Tensor, args)
+    return node
+
+
+def _shape(node: Node | WeightRows) -> str:
+    if isinstance(node, WeightRows):
+        return "x".join(map(str, node.shape))
     val = node.meta.get("val")
     shape = getattr(val, "shape", None)
     return "x".join(map(str, shape)) if shape is not None else "?"

@@ -28,7 +28,15 @@ second weight, ``[N, K]``), so one kernel can read both weights::
     y  = aten.mul(s, u)                  # mul_mm@0, operand w_up
 
 In the other graph order (``u`` before ``g``) up's bare matmul stops before the
-``mul`` and leaves it to gate's chain, which takes up in the same way.
+``mul`` and leaves it to gate's chain, which takes up in the same way. One
+matmul on stacked gate and up weights, halved by ``chunk`` / ``split`` along
+the output dim (Phi-3's ``gate_up_proj``), is the same product on the two row
+halves of its weight: the fused op gets ``w[:h]`` and ``w[h:]``
+(:class:`WeightRows`, sliced when the chain is rewritten)::
+
+    gu   = aten.linear(x, w)             # w: [2h, K]
+    g, u = aten.chunk(gu, 2, -1)         # getitem 0 and 1
+    y    = aten.mul(aten.silu(g), u)     # silu; mul_mm@0 on w[:h], operand w[h:]
 
 Every matcher here is a run of guard clauses returning a match or a reason
 string; :func:`find_epilogue_chains` returns one :class:`EpilogueChain` per
@@ -45,6 +53,7 @@ matmul root, fusable or not (``chain.reason`` says why not).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -64,7 +73,8 @@ from branchyard.lowering.nvgemm.epilogue import (
     same_shape,
 )
 
-__all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot", "input_source", "is_transpose"]
+__all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot", "WeightRows", "input_source",
+           "is_transpose"]
 
 aten = torch.ops.aten
 
@@ -83,7 +93,25 @@ _CHECK_ONLY_USERS = (aten._assert_tensor_metadata.default,)
 #: The most steps one fused op carries (keeps specs, and kernels, bounded).
 MAX_STEPS = 8
 
-Operand = Union[Node, float, torch.dtype, None]
+@dataclass(frozen=True)
+class WeightRows:
+    """Rows ``start:stop`` of the ``[N, K]`` weight ``source``: a half of a stacked
+    gate/up weight, made a graph value (``aten.slice``) when the chain is rewritten."""
+
+    source: Node
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name}[{self.start}:{self.stop}]"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.stop - self.start, *tuple(self.source.meta["val"].shape)[1:])
+
+
+Operand = Union[Node, WeightRows, float, torch.dtype, None]
 
 
 @dataclass
@@ -116,7 +144,7 @@ class EpilogueChain:
 
     root: Node
     a: Node | None = None
-    b: Node | None = None
+    b: Node | WeightRows | None = None
     weight_layout: str = "kn"
     steps: list[tuple[EpilogueOp, Operand]] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
@@ -129,6 +157,9 @@ class EpilogueChain:
     plain: bool = False
     #: Stopped before a ``mul`` that a sibling's chain takes with this matmul as its product.
     deferred: bool = False
+    #: While walking one half of a halved matmul: the other half's value (its ``getitem``)
+    #: and its weight rows, the product a ``mul`` by it takes in.
+    other_half: tuple[Node, WeightRows] | None = None
 
     @property
     def fusable(self) -> bool:
@@ -393,15 +424,78 @@ def _sibling_taking(chain: EpilogueChain, mul: Node, other: Node) -> Node | None
     return None
 
 
+_SPLIT_TARGETS = (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default)
+
+
+def _halves(split: Node, x: Node) -> tuple[Node, Node, int] | str:
+    """``split`` cuts ``x`` into two equal halves along the last dim, each read once
+    through a ``getitem``: ``(half 0, half 1, h)``, or why not."""
+    t = _val(x)
+    n, dim = t.shape[-1], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim not in (-1, t.dim() - 1):
+        return f"it splits dim {dim}, not the output's last"
+    sizes = {aten.chunk.default: lambda k: [n // 2] * 2 if k == 2 and n % 2 == 0 else None,
+             aten.split.Tensor: lambda k: [k, k] if 2 * k == n else None,
+             aten.split_with_sizes.default: lambda k: list(k) if len(k) == 2 and k[0] == k[1] else None}
+    if sizes[split.target](split.args[1]) is None:
+        return "not into two equal halves"
+    users, checks = _users(split)
+    index = {u.args[1]: u for u in users if u.target is operator.getitem}
+    if checks or len(users) != 2 or sorted(index) != [0, 1]:
+        return "its halves are not each read once"
+    return index[0], index[1], n // 2
+
+
+def _take_halves(chain: EpilogueChain, split: Node, x: Node, views: list[Node], checks: list[Node]) -> str | None:
+    """A bare matmul on a stacked ``[2h, K]`` weight, halved by ``split``: walk one half
+    to a ``mul`` by the other (taken in as ``mul_mm`` on the other rows of the weight);
+    on success ``chain`` is that walk (the weight is then its first half's rows)."""
+    halves = _halves(split, x)
+    if isinstance(halves, str):
+        return halves
+    g0, g1, h = halves
+    w = _weight_nk(MatmulRoot(chain.root, chain.a, chain.b, chain.weight_layout, []))  # type: ignore[arg-type]
+    if w is None:
+        return "its weight is not an [N, K] (nn.Linear) weight"
+    for first, second, lo in ((g0, g1, 0), (g1, g0, h)):
+        trial = EpilogueChain(root=chain.root, a=chain.a, b=WeightRows(w, lo, lo + h), weight_layout="nk",
+                              nodes=chain.nodes + views + [split, first], checks=chain.checks + checks,
+                              other_half=(second, WeightRows(w, h - lo, 2 * h - lo)))
+        _walk(trial, defer=False, start=first)
+        if any(op.name == "mul_mm" and isinstance(v, WeightRows) for op, v in trial.steps):
+            trial.other_half = None
+            chain.__dict__.update(trial.__dict__)
+            return None
+    return "neither half reaches a mul by the other"
+
+
+def _other_half(chain: EpilogueChain, mul: Node, other: Node) -> tuple[WeightRows, list[Node]] | None:
+    """``other`` as the other half of a halved matmul (through row views), read only by
+    ``mul``: its weight rows and the nodes that compute it from the split."""
+    if chain.other_half is None:
+        return None
+    node, views = other, []
+    while node.target in _VIEW_TARGETS and isinstance(node.args[0], Node) and _row_view(node, node.args[0]):
+        views.append(node)
+        node = node.args[0]
+    half, rows = chain.other_half
+    path = [node, *views[::-1], mul]
+    if node is not half or not all(_only_user(v, nxt) for v, nxt in zip(path, path[1:])):
+        return None
+    return rows, [node, *views[::-1]]
+
+
 def _narrowing(dtype: torch.dtype) -> bool:
     return dtype.itemsize < 4
 
 
-def _walk(chain: EpilogueChain, defer: bool = True) -> None:
-    """Extend ``chain`` forward from its root; fills ``steps``, ``nodes``, ``stop``.
-    With ``defer``, a bare matmul stops before a ``mul`` that a sibling chain would
-    take with this matmul as its product (see :func:`_sibling_taking`)."""
-    x = chain.root
+def _walk(chain: EpilogueChain, defer: bool = True, start: Node | None = None) -> None:
+    """Extend ``chain`` forward from its root (or from ``start``, a half of it); fills
+    ``steps``, ``nodes``, ``stop``. With ``defer``, a bare matmul stops before a ``mul``
+    that a sibling chain would take with this matmul as its product (see
+    :func:`_sibling_taking`); a bare matmul halved along N walks one half to the ``mul``
+    by the other (see :func:`_take_halves`)."""
+    x = chain.root if start is None else start
     pending_views: list[Node] = []
     pending_checks: list[Node] = []
     while True:
@@ -433,6 +527,12 @@ def _walk(chain: EpilogueChain, defer: bool = True) -> None:
             pending_checks += checks
             x = u
             continue
+        if u.target in _SPLIT_TARGETS and not chain.steps and chain.other_half is None:
+            why = _take_halves(chain, u, x, pending_views, pending_checks + checks)
+            if why is None:
+                return  # the half's walk finished the chain
+            chain.stop = f"'{u.name}' halves the matmul, but {why}"
+            break
         rows = _ROWS_BY_TARGET.get(u.target)
         if rows is None:
             chain.stop = f"'{u.name}' ({getattr(u.target, '__name__', u.target)}) is not an epilogue op"
@@ -450,7 +550,11 @@ def _walk(chain: EpilogueChain, defer: bool = True) -> None:
             chain.near_miss = True
             break
         consumed: list[Node] = []
-        if row.product is not None and isinstance(got, Node):
+        half = _other_half(chain, u, got) if row.product is not None and isinstance(got, Node) else None
+        if half is not None:
+            got, consumed = half
+            row = EPILOGUE_OPS[row.product]  # type: ignore[index]
+        elif row.product is not None and isinstance(got, Node):
             product = _match_product(chain, u, got)
             if not isinstance(product, str):
                 got, consumed = product

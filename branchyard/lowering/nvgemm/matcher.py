@@ -74,11 +74,12 @@ from branchyard.lowering.nvgemm.epilogue import (
 )
 
 __all__ = ["EpilogueChain", "find_epilogue_chains", "match_matmul", "MatmulRoot", "WeightRows", "input_source",
-           "is_transpose"]
+           "is_transpose", "VIEW_TARGETS", "TRANSPOSE_TARGETS"]
 
 aten = torch.ops.aten
 
-_VIEW_TARGETS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+VIEW_TARGETS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+TRANSPOSE_TARGETS = (aten.t.default, aten.permute.default)
 
 #: target -> the table rows matched from it, in table order (first match wins).
 _ROWS_BY_TARGET: dict[Any, list[EpilogueOp]] = {}
@@ -312,7 +313,7 @@ def match_matmul(node: Node) -> MatmulRoot | str:
 
 def _row_view(node: Node, x: Node) -> bool:
     """``node`` is a view of ``x`` that only regroups the leading (row) dims."""
-    if node.target not in _VIEW_TARGETS or node.args[0] is not x:
+    if node.target not in VIEW_TARGETS or node.args[0] is not x:
         return False
     tin, tout = _val(x), _val(node)
     if not isinstance(tout, torch.Tensor) or tout.dim() < 1:
@@ -345,14 +346,14 @@ def _match_decomposed_silu(x: Node) -> tuple[list[Node], Node] | None:
 
 def is_transpose(node: Any) -> bool:
     """``node`` is ``t(w)`` or a 2-D ``permute(w, [1, 0])``."""
-    return (isinstance(node, Node) and node.target in (aten.t.default, aten.permute.default)
+    return (isinstance(node, Node) and node.target in TRANSPOSE_TARGETS
             and (node.target is aten.t.default or list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])))
 
 
 def input_source(a: Node) -> tuple[Any, ...]:
     """What a matmul input is, for comparing inputs: a view's source and shape, else the node
     (decompositions give each ``linear`` its own ``view`` of a shared N-D input)."""
-    if a.target in _VIEW_TARGETS and isinstance(a.args[0], Node):
+    if a.target in VIEW_TARGETS and isinstance(a.args[0], Node):
         return (a.args[0], tuple(_val(a).shape) if isinstance(_val(a), torch.Tensor) else id(a))
     return (a,)
 
@@ -362,13 +363,29 @@ def _only_user(node: Node, user: Node) -> bool:
     return real == [user] and not checks
 
 
-def _weight_nk(root: MatmulRoot) -> Node | None:
-    """The ``[N, K]`` weight node of a matched root: an ``nn.Linear`` weight as it is, or
-    the source of a ``kn`` root's transposed weight; ``None`` for a true ``[K, N]`` weight."""
-    if root.weight_layout == "nk":
-        return root.b
-    if is_transpose(root.b) and isinstance(root.b.args[0], Node):
-        return root.b.args[0]
+def _single_use_path(path: list[Node]) -> bool:
+    """Each value of ``path`` is read only by the next (no check-only users either)."""
+    return all(_only_user(x, nxt) for x, nxt in zip(path, path[1:]))
+
+
+def _peel_row_views(node: Node) -> tuple[Node, list[Node]]:
+    """``node`` back through the row views that make it: ``(their source, the views,
+    outermost first)``."""
+    views = []
+    while node.target in VIEW_TARGETS and isinstance(node.args[0], Node) and _row_view(node, node.args[0]):
+        views.append(node)
+        node = node.args[0]
+    return node, views
+
+
+def _weight_nk(b: Node, layout: str) -> Node | None:
+    """The ``[N, K]`` weight node behind a matmul's weight operand ``b``: an ``nn.Linear``
+    weight (``nk``) as it is, or the source of a transposed ``kn`` one; ``None`` for a
+    true ``[K, N]`` weight."""
+    if layout == "nk":
+        return b
+    if is_transpose(b) and isinstance(b.args[0], Node):
+        return b.args[0]
     return None
 
 
@@ -376,21 +393,17 @@ def _match_product(chain: EpilogueChain, mul: Node, other: Node) -> tuple[Node, 
     """``other`` (the ``mul``'s other operand) as ``a @ w2.T`` on the chain's own input:
     the second weight ``w2`` ``[N, K]`` and the nodes that compute ``other`` from it
     (consumed with the chain), or why not."""
-    node, views = other, []
-    while node.target in _VIEW_TARGETS and isinstance(node.args[0], Node) and _row_view(node, node.args[0]):
-        views.append(node)
-        node = node.args[0]
+    node, views = _peel_row_views(other)
     if node.target not in MATMUL_ROOTS:
         return "not a matmul"
-    path = [node, *views[::-1], mul]  # each value's only user is the next
-    if not all(_only_user(x, nxt) for x, nxt in zip(path, path[1:])):
+    if not _single_use_path([node, *views[::-1], mul]):
         return f"the matmul '{node.name}' or a view of it has other users"
     root = match_matmul(node)
     if isinstance(root, str):
         return root
     if root.steps:
         return f"the matmul '{node.name}' has its own {' and '.join(op.name for op, _ in root.steps)}"
-    w2, w1 = _weight_nk(root), _weight_nk(MatmulRoot(chain.root, chain.a, chain.b, chain.weight_layout, []))
+    w2, w1 = _weight_nk(root.b, root.weight_layout), _weight_nk(chain.b, chain.weight_layout)  # type: ignore[arg-type]
     if w2 is None or w1 is None:
         return "a weight is not an [N, K] (nn.Linear) weight"
     t1, t2 = _val(w1), _val(w2)
@@ -399,7 +412,7 @@ def _match_product(chain: EpilogueChain, mul: Node, other: Node) -> tuple[Node, 
     if input_source(root.a) != input_source(chain.a):  # type: ignore[arg-type]
         return "the matmuls have different inputs"
     own = [n for n in (root.a, root.b) if n is not chain.a and n is not w2 and isinstance(n, Node)
-           and n.target in (*_VIEW_TARGETS, aten.t.default, aten.permute.default) and _only_user(n, node)]
+           and n.target in (*VIEW_TARGETS, *TRANSPOSE_TARGETS) and _only_user(n, node)]
     return w2, own + [node] + views[::-1]
 
 
@@ -454,7 +467,7 @@ def _take_halves(chain: EpilogueChain, split: Node, x: Node, views: list[Node], 
     if isinstance(halves, str):
         return halves
     g0, g1, h = halves
-    w = _weight_nk(MatmulRoot(chain.root, chain.a, chain.b, chain.weight_layout, []))  # type: ignore[arg-type]
+    w = _weight_nk(chain.b, chain.weight_layout)  # type: ignore[arg-type]
     if w is None:
         return "its weight is not an [N, K] (nn.Linear) weight"
     for first, second, lo in ((g0, g1, 0), (g1, g0, h)):
@@ -474,13 +487,9 @@ def _other_half(chain: EpilogueChain, mul: Node, other: Node) -> tuple[WeightRow
     ``mul``: its weight rows and the nodes that compute it from the split."""
     if chain.other_half is None:
         return None
-    node, views = other, []
-    while node.target in _VIEW_TARGETS and isinstance(node.args[0], Node) and _row_view(node, node.args[0]):
-        views.append(node)
-        node = node.args[0]
+    node, views = _peel_row_views(other)
     half, rows = chain.other_half
-    path = [node, *views[::-1], mul]
-    if node is not half or not all(_only_user(v, nxt) for v, nxt in zip(path, path[1:])):
+    if node is not half or not _single_use_path([node, *views[::-1], mul]):
         return None
     return rows, [node, *views[::-1]]
 
@@ -576,7 +585,7 @@ def _walk(chain: EpilogueChain, defer: bool = True, start: Node | None = None) -
     if chain.nodes and chain.nodes[-1] is not chain.root:
         # A view inside the chain changes the output shape: the fused op makes
         # [M, N] (or a's leading dims) and a view restores the chain's shape.
-        views = [n for n in chain.nodes if n.target in _VIEW_TARGETS]
+        views = [n for n in chain.nodes if n.target in VIEW_TARGETS]
         chain.out_view = views[-1] if views else None
 
 

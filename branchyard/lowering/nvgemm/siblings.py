@@ -67,7 +67,7 @@ from branchyard.errors import LoweringError
 from branchyard.fx.control_flow import emit, fake_mode_of
 from branchyard.fx.graph_walk import copy_graph_module, resolve_attr
 from branchyard.fx.pass_infra import BranchyardPass, PassReport, Program
-from branchyard.lowering.nvgemm.matcher import input_source, is_transpose
+from branchyard.lowering.nvgemm.matcher import TRANSPOSE_TARGETS, VIEW_TARGETS, input_source, is_transpose
 
 __all__ = ["MergeResult", "MergeSiblingGemms", "merge_sibling_gemms"]
 
@@ -132,12 +132,8 @@ def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_TRANSPOSES = (aten.t.default, aten.permute.default)
-
-
 def _views_a_gemm(node: Node) -> bool:
-    return node.target in _VIEWS and isinstance(node.args[0], Node) and node.args[0].target in _GEMMS
+    return node.target in VIEW_TARGETS and isinstance(node.args[0], Node) and node.args[0].target in _GEMMS
 
 
 def _part(item: Node, constant: ConstantOf, cat: Node) -> _Part | str:
@@ -336,7 +332,7 @@ def _erase_dead(graph: Any, node: Node) -> None:
     inputs = list(node.all_input_nodes)
     graph.erase_node(node)
     for n in inputs:
-        if n.target in _GEMMS or n.target in _VIEWS or n.target in _TRANSPOSES:
+        if n.target in _GEMMS or n.target in VIEW_TARGETS or n.target in TRANSPOSE_TARGETS:
             _erase_dead(graph, n)
 
 

@@ -18,7 +18,7 @@ from branchyard.errors import LoweringError
 from branchyard.fx.pass_infra import Pipeline
 from branchyard.lowering.nvgemm import program_race as race_mod
 from branchyard.lowering.nvgemm.fuse import NvGemmPass, chain_group, nvgemm
-from branchyard.lowering.nvgemm.program_race import ProgramRace, Variant
+from branchyard.lowering.nvgemm.program_race import CALLINGS, MARGINS, ProgramRace, Variant
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 
@@ -139,10 +139,46 @@ def test_a_fused_group_must_win_by_the_margin(gain_us, kept):
     assert [d.kept_fused for d in result.decisions] == [kept]
 
 
-@pytest.mark.parametrize("margin", [-0.1, 1.0, "3%"])
+@pytest.mark.parametrize("margin", [-0.1, 1.0, "3%", True])
 def test_a_margin_outside_zero_to_one_is_a_clear_error(margin):
     with pytest.raises(LoweringError, match=r"margin=.*fraction in \[0, 1\)"):
         ProgramRace(margin=margin)
+
+
+@pytest.mark.parametrize("calling, gain_us, kept", [
+    ("graph", 0.9, False), ("graph", 1.5, True), ("eager", 1.5, False), ("eager", 3.5, True)])
+def test_the_default_margin_is_lower_for_graph_replays(calling, gain_us, kept):
+    # device-timed replays are steady: 1% of a long program can be one GEMM's real gain
+    us = {frozenset(): 100.0, frozenset({"g"}): 100.0 - gain_us}
+    result = ProgramRace(timer=lambda v: us[v.fused] / 1e3, blocks=3).run(
+        ["g"], lambda fused: Variant(fused, lambda: None, calling=calling))
+    assert result.fused == (frozenset({"g"}) if kept else frozenset())
+    assert result.decisions[-1].needed == pytest.approx(MARGINS[calling])
+
+
+def test_an_explicit_margin_holds_for_both_callings():
+    us = {frozenset(): 100.0, frozenset({"g"}): 98.5}
+    race = ProgramRace(timer=lambda v: us[v.fused] / 1e3, blocks=3, margin=0.02)
+    for calling in CALLINGS:
+        result = race.run(["g"], lambda fused: Variant(fused, lambda: None, calling=calling))
+        assert result.fused == frozenset() and result.decisions[-1].needed == pytest.approx(0.02)
+
+
+def test_a_noisy_timing_asks_for_a_win_larger_than_its_spread():
+    # blocks of the unfused program spread by 8% (IQR over median): a 5% median win is within it
+    noise = iter([-4.0, 0.0, 4.0] * 3)
+    base = {frozenset(): 100.0, frozenset({"g"}): 95.0}
+    timer = lambda v: (base[v.fused] + (next(noise) if not v.fused else 0.0)) / 1e3  # noqa: E731
+    result = ProgramRace(timer=timer, blocks=9).run(["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+    decision = result.decisions[-1]
+    assert result.fused == frozenset()
+    assert decision.fused_us == pytest.approx(95.0) and decision.unfused_us == pytest.approx(100.0)
+    assert decision.needed == pytest.approx(0.08)
+    assert "a win of 8.0% needed" in str(decision)
+    # the same win on steady timings is kept
+    steady = ProgramRace(timer=lambda v: base[v.fused] / 1e3, blocks=9).run(
+        ["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+    assert steady.fused == frozenset({"g"})
 
 
 def test_compare_interleaves_the_two_programs_and_takes_medians():
@@ -178,7 +214,8 @@ def test_identical_chains_are_one_group_decided_together():
     assert {len(f) for f in clock.timed} == {0, 1}  # one group: all fused or none
     assert len([s for s in p.report.skips if "left unfused" in s.reason]) == 2
     assert p.report.stats["race_decisions"] == [
-        "w=nk;bias@0;relu;out=float32 [4x16 @ 16x16, 16]: left unfused (53.0 us per call fused, 50.0 us unfused)"]
+        "w=nk;bias@0;relu;out=float32 [4x16 @ 16x16, 16]: left unfused (53.0 us per call fused, 50.0 us unfused; "
+        "a win of 3.0% needed)"]
 
 
 class FakeCapture:

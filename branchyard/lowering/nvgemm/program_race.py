@@ -14,7 +14,9 @@ So the pass races the programs themselves and keeps only what wins.
 Semantics::
 
     def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
-        wins = lambda fused_us, unfused_us: fused_us < unfused_us * (1 - margin)
+        def wins(fused, unfused):              # each: the samples of interleaved blocks
+            needed = max(margin, spread(fused), spread(unfused))
+            return median(fused) < median(unfused) * (1 - needed)
         fused = set(groups)                    # build(fused): the program with those groups fused
         if len(groups) > 1:
             for g in groups:                   # greedily: each group left unfused in turn
@@ -28,10 +30,15 @@ Semantics::
         return fused
 
 ``compare(a, b)`` times the two programs in interleaved blocks (A/B, then
-B/A, ...) and takes each one's median, so drift and noise hit both alike.
-A fused variant must win by ``margin`` (a fraction of the unfused time,
-default 3%): a win smaller than the timing noise is no evidence, and on a
-tie the program as it was is the safe choice.
+B/A, ...), so drift and noise hit both alike. A fused variant must win by
+what the timing can tell apart: the ``margin`` (a fraction of the unfused
+time; by default 3% for eager calls, whose host time is noisy, and 1% for
+graph replays, timed on the device alone) or the measured ``spread`` of
+either program's blocks (interquartile range over median), whichever is
+larger. A smaller win is no evidence, and on a tie the program as it was
+is the safe choice. The margin is of the whole program's time: a group
+that is a small part of a long program must save several times the margin
+of its own time, so the floor is kept low where the timing is steady.
 Chains that pose the same problem (spec, shapes, dtypes) are one group: they
 cost the same, and one decision for all of them keeps the race short in a
 model that repeats its blocks.
@@ -70,6 +77,7 @@ example inputs is not raced, and the report says so.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Sequence
@@ -86,7 +94,9 @@ from branchyard.lowering.nvgemm.timing import device_block_timer, host_timer, ti
 __all__ = [
     "CALLINGS",
     "Calling",
+    "Comparison",
     "GraphCapture",
+    "MARGINS",
     "ProgramRace",
     "RaceDecision",
     "RaceResult",
@@ -103,6 +113,11 @@ __all__ = [
 #: host work is paid) or ``"graph"`` (replayed from a CUDA graph; it is not).
 Calling = Literal["eager", "graph"]
 CALLINGS: tuple[Calling, ...] = ("eager", "graph")
+
+#: The least win (a fraction of the unfused program's time) a fused variant must
+#: show, per calling: eager calls include host time, which varies from block to
+#: block by a few percent; graph replays are timed on the device alone.
+MARGINS: dict[Calling, float] = {"eager": 0.03, "graph": 0.01}
 
 
 def check_calling(calling: Any, where: str = "nvgemm") -> Calling:
@@ -135,16 +150,53 @@ class Variant:
 @dataclass(frozen=True)
 class RaceDecision:
     """One group's verdict: the program's time per call with the group fused and
-    without it (the rest as decided so far), and which was kept."""
+    without it (the rest as decided so far), which was kept, and the win the
+    timing asked for (``needed``, a fraction of the unfused time)."""
 
     chains: str
     fused_us: float
     unfused_us: float
     kept_fused: bool
+    needed: float = math.nan
 
     def __str__(self) -> str:
         verdict = "fused" if self.kept_fused else "left unfused"
-        return f"{self.chains}: {verdict} ({self.fused_us:.1f} us per call fused, {self.unfused_us:.1f} us unfused)"
+        needed = "" if math.isnan(self.needed) else f"; a win of {self.needed:.1%} needed"
+        return (f"{self.chains}: {verdict} ({self.fused_us:.1f} us per call fused, "
+                f"{self.unfused_us:.1f} us unfused{needed})")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two programs timed in interleaved blocks: each one's microseconds per call, one sample per block."""
+
+    a: tuple[float, ...]
+    b: tuple[float, ...]
+
+    @property
+    def a_us(self) -> float:
+        return statistics.median(self.a)
+
+    @property
+    def b_us(self) -> float:
+        return statistics.median(self.b)
+
+    @property
+    def spread(self) -> float:
+        """The larger of the two programs' interquartile ranges over their medians (0 with one block).
+
+            >>> Comparison((9.0, 9.5, 10.0, 10.5, 11.0), (20.0,) * 5).spread
+            0.1
+        """
+        return max(_spread(self.a), _spread(self.b))
+
+
+def _spread(samples: Sequence[float]) -> float:
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    middle = statistics.median(samples)
+    return (q3 - q1) / middle if middle > 0 else 0.0
 
 
 @dataclass
@@ -211,58 +263,77 @@ class ProgramRace:
     calling), ``blocks`` interleaved blocks per comparison, the device types
     on which a race is worth running (``devices``; on CPU the fused op runs
     the original ATen ops, so there is nothing to win there), the ``margin``
-    by which a fused variant must be faster to be kept, and ``capture``, how
-    a program is captured for graph calling (default :func:`capture_replay`)."""
+    by which a fused variant must be faster to be kept (``None``: per
+    calling, :data:`MARGINS`; the measured spread raises it where the timing
+    is noisier), and ``capture``, how a program is captured for graph calling
+    (default :func:`capture_replay`)."""
 
     timer: VariantTimer | None = None
     blocks: int = 9
     devices: tuple[str, ...] = ("cuda",)
-    margin: float = 0.03
+    margin: float | None = None
     capture: GraphCapture | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
             raise LoweringError(f"blocks={self.blocks!r}: a race needs at least one block", where="ProgramRace")
-        if not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 1:
-            raise LoweringError(f"margin={self.margin!r}: a fraction in [0, 1) of the unfused time",
-                                where="ProgramRace")
+        margin = self.margin
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                   or not 0 <= margin < 1):
+            raise LoweringError(f"margin={margin!r}: a fraction in [0, 1) of the unfused time, or None "
+                                "(per calling)", where="ProgramRace")
 
-    def wins(self, fused_us: float, unfused_us: float) -> bool:
-        """Whether a fused variant timed ``fused_us`` beats ``unfused_us`` by the margin."""
-        return fused_us < unfused_us * (1 - self.margin)
+    def margin_for(self, calling: Calling) -> float:
+        """The margin a fused variant called ``calling``'s way must win by, before the spread."""
+        return MARGINS[calling] if self.margin is None else float(self.margin)
+
+    def needed(self, comparison: Comparison, calling: Calling = "eager") -> float:
+        """The win ``comparison`` asks for: the margin or its spread, whichever is larger."""
+        return max(self.margin_for(calling), comparison.spread)
+
+    def wins(self, comparison: Comparison, calling: Calling = "eager") -> bool:
+        """Whether ``comparison.a`` (fused) beats ``comparison.b`` (unfused) by :meth:`needed`."""
+        return comparison.a_us < comparison.b_us * (1 - self.needed(comparison, calling))
+
+    def time(self, a: Variant, b: Variant) -> Comparison:
+        """``a`` and ``b`` timed in interleaved blocks (microseconds per call, one sample per block)."""
+        timer = self.timer or _default_timer
+        times = time_round_robin({"a": a, "b": b}, self.blocks, lambda _, variant: float(timer(variant)) * 1e3)
+        return Comparison(tuple(times["a"]), tuple(times["b"]))
 
     def compare(self, a: Variant, b: Variant) -> tuple[float, float]:
         """Median microseconds per call of ``a`` and ``b``, timed in interleaved blocks."""
-        timer = self.timer or _default_timer
-        times = time_round_robin({"a": a, "b": b}, self.blocks, lambda _, variant: float(timer(variant)) * 1e3)
-        return statistics.median(times["a"]), statistics.median(times["b"])
+        comparison = self.time(a, b)
+        return comparison.a_us, comparison.b_us
 
     def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
         """Race the programs ``build(fused)`` makes (see the module docstring)."""
         groups = list(dict.fromkeys(groups))
         decisions: list[RaceDecision] = []
         current = build(frozenset(groups))
+        calling = current.calling
         if len(groups) > 1:
             for group in groups:
                 if group not in current.fused:
                     continue
                 without = build(current.fused - {group})
-                with_us, without_us = self.compare(current, without)
-                keep = self.wins(with_us, without_us)
-                decisions.append(RaceDecision(group, with_us, without_us, keep))
+                timed = self.time(current, without)
+                keep = self.wins(timed, calling)
+                decisions.append(RaceDecision(group, timed.a_us, timed.b_us, keep, self.needed(timed, calling)))
                 if not keep:
                     current = without
                 del without  # if it lost, its program (and captured graph) can go before the next is built
         if not current.fused:  # every group lost on its own: the last comparison timed the program as it was
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
-        result_us, unrewritten_us = self.compare(current, build(frozenset()))
-        if not self.wins(result_us, unrewritten_us):
-            decisions += [RaceDecision(g, result_us, unrewritten_us, False) for g in groups if g in current.fused]
-            return RaceResult(frozenset(), decisions, unrewritten_us, unrewritten_us)
+        timed = self.time(current, build(frozenset()))
+        needed = self.needed(timed, calling)
+        if not self.wins(timed, calling):
+            decisions += [RaceDecision(g, timed.a_us, timed.b_us, False, needed) for g in groups if g in current.fused]
+            return RaceResult(frozenset(), decisions, timed.b_us, timed.b_us)
         if len(groups) == 1:
-            decisions.append(RaceDecision(groups[0], result_us, unrewritten_us, True))
-        return RaceResult(current.fused, decisions, unrewritten_us, result_us)
+            decisions.append(RaceDecision(groups[0], timed.a_us, timed.b_us, True, needed))
+        return RaceResult(current.fused, decisions, timed.b_us, timed.a_us)
 
 
 # --- the program's inputs ----------------------------------------------------

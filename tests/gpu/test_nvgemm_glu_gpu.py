@@ -22,6 +22,7 @@ from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
 from branchyard.lowering.nvgemm.kernel_config import small_m_configs
 from branchyard.lowering.nvgemm.matcher import find_epilogue_chains
+from branchyard.lowering.nvgemm.winners import WinnerDB
 
 from nvgemm_gpu_support import (
     capture_after_warmup,
@@ -108,13 +109,14 @@ def test_gated_mlp_block_rewrite(calling: str, m: int, monkeypatch) -> None:
 
 
 @needs_cutedsl
-def test_the_tuner_races_the_dual_kernel_against_the_expanded_ones(monkeypatch) -> None:
+def test_the_tuner_races_the_dual_kernel_against_the_expanded_ones(monkeypatch, tmp_path) -> None:
     """At M = 1 on Llama-3-8B's gate/up the dual configs are among the timed candidates,
     and the winner (whatever it is) matches the reference."""
     spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR", "0")
     a, w, ops = small_m_inputs(spec, 1, 14336, 4096, torch.bfloat16, seed=11)
-    result = nv_tuner.Autotuner(progress=False).tune(a, w.t(), ops, spec, "device")
+    # its own winner database: a winner raced without Inductor must not land in the user's cache
+    result = nv_tuner.Autotuner(progress=False, db=WinnerDB(tmp_path)).tune(a, w.t(), ops, spec, "device")
     assert any(name.endswith("_dual") for name in result.timings), (result.timings, result.excluded)
     out = torch.full((1, 14336), float("nan"), dtype=torch.bfloat16, device="cuda")
     res = result.impl(a, w.t(), ops, out)

@@ -180,6 +180,23 @@ def test_stale_winner_no_longer_offered_is_retuned(tmp_path):
     assert entry["winner"] == "ours"
 
 
+def test_a_winner_picked_without_a_candidate_offered_now_is_retuned(tmp_path, caplog):
+    # e.g. tuned with BRANCHYARD_NVGEMM_INDUCTOR=0 into a shared cache, then read with it on
+    _tuner(Recorder({"ours": 1.0, "aten": 2.0}), tmp_path).select(*_inputs(), SPEC)
+    rec = Recorder({"ours": 1.0, "triton": 0.5, "aten": 2.0})
+    with caplog.at_level(logging.INFO, logger="branchyard"):
+        tuner = _tuner(rec, tmp_path)
+        tuner.select(*_inputs(), SPEC)
+    assert rec.timed == ["ours", "triton", "aten"]
+    (res,) = tuner.results.values()
+    assert res.winner == "triton" and not res.from_cache
+    assert "was picked without triton; retuning" in caplog.text
+    # fewer candidates than were raced (BRANCHYARD_NVGEMM_MAX_CONFIGS, one switched off): the entry stands
+    rec3 = Recorder({"triton": 0.5, "aten": 2.0})
+    _tuner(rec3, tmp_path).select(*_inputs(), SPEC)
+    assert rec3.timed == [] and rec3.builds == ["triton"]
+
+
 def test_concurrent_writers_keep_every_entry_and_leave_no_temp_files(tmp_path):
     db = WinnerDB(tmp_path)
     threads = [threading.Thread(target=db.put, args=(f"k{i}", {"winner": f"w{i}"})) for i in range(16)]

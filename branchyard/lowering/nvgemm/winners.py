@@ -83,8 +83,12 @@ class WinnerDB:
         return entry.get("checksum") == _checksum(body)
 
     def get(self, key: str, known: Sequence[str] | None = None) -> dict[str, Any] | None:
-        """The entry for ``key`` if present and intact (and, with ``known``, if
-        its winner is still one of the candidate names ``known``)."""
+        """The entry for ``key`` if present and intact; with ``known`` (the
+        candidate names offered now), only if its winner is still one of them
+        and its race saw every one of them (timed or excluded). A winner
+        picked while a candidate was off (``BRANCHYARD_NVGEMM_INDUCTOR=0``, an
+        older version) says nothing about that candidate, so the problem is
+        tuned again."""
         entry = self._read().get(key) if self.disk_error is None else None
         if entry is not None and not self._intact(entry):
             logger.warning("nvgemm: winner entry for %s is damaged; retuning", key)
@@ -96,6 +100,12 @@ class WinnerDB:
             return None
         if known is not None and entry.get("winner") not in known:
             logger.info("nvgemm: stale winner %r for %s (no longer a candidate); retuning", entry.get("winner"), key)
+            return None
+        raced = set(entry.get("timings") or ()) | set(entry.get("excluded") or ())
+        unraced = [name for name in known or () if raced and name not in raced]
+        if unraced:
+            logger.info("nvgemm: winner %r for %s was picked without %s; retuning", entry.get("winner"), key,
+                        ", ".join(unraced))
             return None
         return entry
 

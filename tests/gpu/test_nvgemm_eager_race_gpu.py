@@ -77,7 +77,8 @@ def test_rewritten_module_is_not_slower_eagerly_and_matches(fresh_tuner, m):
         rewritten = Pipeline([p])(ep).program
         report = p.report
         assert report.stats["race"].startswith("raced eagerly: "), report
-        before, after, default = ep.module(), rewritten.module(), nvgemm(ep).module()
+        again = nvgemm(ep)  # the function form races again
+        before, after, default = ep.module(), rewritten.module(), again.module()
         for fn in (after, default):
             torch.testing.assert_close(fn(x), before(x), rtol=3e-2, atol=3e-2)
         for _ in range(20):  # warm-up
@@ -89,12 +90,16 @@ def test_rewritten_module_is_not_slower_eagerly_and_matches(fresh_tuner, m):
     assert fused == report.stats["fused"]
     left = [s for s in report.skips if s.reason.startswith("left unfused")]
     assert fused + len(left) == 2
+    # A race that kept nothing returns the program as it was (timing it would time one program twice).
+    changed = {name: prog.graph_module.code != ep.graph_module.code
+               for name, prog in (("rewritten", rewritten), ("nvgemm(ep)", again))}
+    assert changed["rewritten"] == (fused > 0)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Other workers share the GPU and the host: the race and the timing above measure
         # their load (the H200 run with -n 6 saw 1-1.5 ms per call of this ~0.2 ms block).
         pytest.skip("host-inclusive timing needs the GPU to itself: run serially (outputs and report checked)")
-    assert us["rewritten"] <= us["unrewritten"] * TOLERANCE, (us, str(report))
-    assert us["nvgemm(ep)"] <= us["unrewritten"] * TOLERANCE, us
+    for name in (n for n, differs in changed.items() if differs):
+        assert us[name] <= us["unrewritten"] * TOLERANCE, (name, us, str(report))
 
 
 def _replay_us(replays: dict[str, object], blocks: int = 9) -> dict[str, float]:

@@ -24,6 +24,7 @@ from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_ge
 from branchyard.lowering.nvgemm.problem import Problem, m_bucket
 from branchyard.lowering.nvgemm.progress import ProgressBar
 from branchyard.lowering.nvgemm.tuner import Autotuner
+from branchyard.lowering.nvgemm import winners as winners_mod
 from branchyard.lowering.nvgemm.winners import SCHEMA_VERSION, WinnerDB
 
 DB_FILE = WinnerDB.FILE
@@ -144,6 +145,15 @@ def test_key_names_everything_the_winner_depends_on():
     assert m_bucket(8193) == 16384 and m_bucket(1) == 1
 
 
+def _rewrite_entries(path, **fields) -> None:
+    """Set ``fields`` in every entry and re-checksum it: a crafted file, not a damaged one."""
+    data = json.loads(path.read_text())
+    for key, entry in data["entries"].items():
+        body = {k: v for k, v in entry.items() if k != "checksum"} | fields
+        data["entries"][key] = body | {"checksum": winners_mod._checksum(body)}
+    path.write_text(json.dumps(data))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -153,8 +163,11 @@ def test_key_names_everything_the_winner_depends_on():
         (lambda p: p.write_text(json.dumps({"schema": SCHEMA_VERSION,
                                             "entries": {k: ["junk"] for k in json.loads(p.read_text())["entries"]}})),
          "entry for"),
+        (lambda p: _rewrite_entries(p, timings=5), "entry for"),
+        (lambda p: _rewrite_entries(p, excluded=["aten"]), "entry for"),
     ],
-    ids=["corrupt-file", "other-schema", "tampered-entry", "entry-not-an-object"],
+    ids=["corrupt-file", "other-schema", "tampered-entry", "entry-not-an-object", "timings-not-a-map",
+         "excluded-not-a-map"],
 )
 def test_damaged_database_is_detected_and_rebuilt(tmp_path, caplog, damage, message):
     rec = Recorder({"ours": 1.0, "aten": 2.0})

@@ -5,6 +5,7 @@ program race; by default only CUDA programs do)."""
 
 from __future__ import annotations
 
+import math
 import random
 import re
 
@@ -684,3 +685,11 @@ def test_the_race_keeps_at_most_three_programs_alive():
     assert len(alive) == 5 and most == 3, (len(alive), most)  # every program captured, three at most alive
     assert _fused_specs(out) == ["w=nk;bias@0;gelu_erf;out=float32", "w=nk;bias@0;silu;out=float32"]
     torch.testing.assert_close(out.module()(x), block(x))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_block_that_did_not_time_wins_nothing(bad):
+    samples = iter([90.0, 100.0, bad, 100.0, 90.0, 100.0])
+    result = ProgramRace(timer=lambda v: next(samples) / 1e3, blocks=3).run(
+        ["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+    assert result.fused == frozenset() and result.decisions[-1].needed == math.inf

@@ -192,6 +192,8 @@ class Comparison:
 
 
 def _spread(samples: Sequence[float]) -> float:
+    if not all(math.isfinite(x) for x in samples):
+        return math.inf  # a block that failed to time: no win can be told apart from it
     if len(samples) < 2:
         return 0.0
     q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")

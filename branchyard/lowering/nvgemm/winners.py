@@ -79,6 +79,8 @@ class WinnerDB:
     def _intact(entry: Any) -> bool:
         if not isinstance(entry, dict) or not isinstance(entry.get("winner"), str):
             return False
+        if not all(isinstance(entry.get(field) or {}, dict) for field in ("timings", "excluded")):
+            return False  # what the race saw is read below: it must be a name -> figure/reason map
         body = {k: v for k, v in entry.items() if k != "checksum"}
         return entry.get("checksum") == _checksum(body)
 

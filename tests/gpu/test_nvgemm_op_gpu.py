@@ -234,11 +234,12 @@ def test_addmm_candidate_for_scale_residual(tmp_path):
 def test_inductor_candidate_compiles_and_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "default")  # max-autotune takes minutes
     a, b, ops, spec = _inputs("bias@0;gelu_erf;residual@1", torch.bfloat16, 128, 256, 256)
+    name = nv_candidates.inductor_candidate_name("default")
     tuner = nv_tuner.Autotuner(
-        lambda p: [c for c in nv_candidates.default_candidates(p, inductor=True) if c.name == "triton:inductor"],
+        lambda p: [c for c in nv_candidates.default_candidates(p, inductor=True) if c.name == name],
         db=nv_winners.WinnerDB(tmp_path), progress=False)
     res = tuner.tune(a, b.t(), ops, spec)
-    assert res.winner == "triton:inductor", res.excluded
+    assert res.winner == name, res.excluded
 
 
 def test_cutlass_plain_candidate_when_available(tmp_path):

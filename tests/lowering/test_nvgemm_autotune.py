@@ -5,6 +5,7 @@ bar, and the op using the process-wide autotuner."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -377,6 +378,47 @@ def test_inductor_compiles_are_capped_per_process(monkeypatch):
     problem = Problem.of(*_inputs(), SPEC)
     with pytest.raises(LoweringError, match="1 Inductor compiles already made.*BRANCHYARD_NVGEMM_INDUCTOR_MAX"):
         cands_mod._inductor_build(problem, "default")
+    # the cap is a limit of this process, not of the problem: the tuner is told before it builds
+    (inductor,) = [c for c in cands_mod.default_candidates(problem, inductor=True) if c.name.startswith("triton:")]
+    assert inductor.name == "triton:inductor"
+    assert inductor.available(problem).startswith("1 Inductor compiles already made")
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MAX", "2")
+    assert inductor.available(problem) is None
+
+
+def test_the_inductor_candidate_is_named_by_its_mode(monkeypatch):
+    problem = Problem.of(*_inputs(), SPEC)
+    names = lambda: [c.name for c in cands_mod.default_candidates(problem, inductor=True)]  # noqa: E731
+    assert "triton:inductor" in names()
+    monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "default")
+    assert "triton:inductor[default]" in names() and "triton:inductor" not in names()
+
+
+def test_a_candidate_unavailable_in_one_process_is_raced_where_it_is_available(tmp_path):
+    capped = {"now": True}
+
+    def tuner(rec: Recorder) -> Autotuner:
+        cands = [dataclasses.replace(c, available=lambda p: "cap reached" if capped["now"] else None)
+                 if c.name == "triton" else c for c in rec.candidates()]
+        return Autotuner(cands, timer=rec.timer, db=WinnerDB(tmp_path), env=ENV, progress=False)
+
+    rec = Recorder({"ours": 1.0, "triton": 0.5, "aten": 2.0})
+    first = tuner(rec)
+    first.select(*_inputs(), SPEC)
+    (res,) = first.results.values()
+    assert res.winner == "ours" and res.unavailable == ["triton"] and "triton" not in rec.builds
+    assert res.excluded["triton"] == "not available in this process: cap reached"
+    rec2 = Recorder({"ours": 1.0, "triton": 0.5, "aten": 2.0})
+    tuner(rec2).select(*_inputs(), SPEC)  # another process at its cap: the entry stands
+    assert rec2.timed == [] and rec2.builds == ["ours"]
+    capped["now"] = False
+    rec3 = Recorder({"ours": 1.0, "triton": 0.5, "aten": 2.0})
+    third = tuner(rec3)
+    third.select(*_inputs(), SPEC)  # a process that can build it races it
+    (res3,) = third.results.values()
+    assert rec3.timed == ["ours", "triton", "aten"] and res3.winner == "triton" and not res3.unavailable
+    (entry,) = WinnerDB(tmp_path).entries().values()
+    assert entry["winner"] == "triton" and entry["unavailable"] == []
 
 
 

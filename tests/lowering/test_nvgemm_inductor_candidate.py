@@ -133,9 +133,11 @@ def test_inside_a_capture_past_the_cap_or_on_a_failed_compile_the_chain_runs_eag
 def test_the_op_tunes_to_the_inductor_candidate_and_its_calls_enter_no_dynamo(monkeypatch, tmp_path):
     monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
     monkeypatch.setenv("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "default")
-    wanted = ("triton:inductor", "aten:unfused")
+    inductor = cands_mod.inductor_candidate_name("default")  # the mode is in the name
+    assert inductor == "triton:inductor[default]"
+    wanted = (inductor, "aten:unfused")
     tuner = Autotuner(lambda p: [c for c in cands_mod.default_candidates(p, inductor=True) if c.name in wanted],
-                      timer=lambda name, fn: (fn(), {"triton:inductor": 1.0}.get(name, 2.0))[1],
+                      timer=lambda name, fn: (fn(), {inductor: 1.0}.get(name, 2.0))[1],
                       db=WinnerDB(tmp_path), env={"gpu": "t"}, progress=False)
     tuner_mod.set_autotuner(tuner)
     try:
@@ -148,7 +150,7 @@ def test_the_op_tunes_to_the_inductor_candidate_and_its_calls_enter_no_dynamo(mo
             warnings.simplefilter("error", NvGemmFallbackWarning)
             first = op_mod.fused_gemm_epilogue(x, b, [ops[0], res], text)
             (result,) = tuner.results.values()
-            assert result.winner == "triton:inductor", result.table()
+            assert result.winner == inductor, result.table()
             calls_before = {k: dict(v) for k, v in counters.items()}
             for _ in range(3):
                 torch.testing.assert_close(op_mod.fused_gemm_epilogue(x, b, [ops[0], res], text), first)

@@ -16,6 +16,7 @@ way this library knows to run a matmul + epilogue chain.
 ``cublaslt:_addmm_activation+aten`` cuBLASLt on the chain's prefix, the rest as ATen ops
 ``cublas:addmm+aten``               ``addmm`` on the chain's prefix, the rest as ATen ops
 ``triton:inductor``                 the unfused chain compiled by Inductor (max-autotune), no Dynamo
+                                    (``triton:inductor[<mode>]`` with another ``torch.compile`` mode)
 ``aten:unfused``                    the original ATen ops, unfused: always offered, so the
                                     tuned choice is never slower than the program was
 ==================================  ============================================================
@@ -65,7 +66,8 @@ from branchyard.lowering.nvgemm.kernel_config import (
 )
 from branchyard.lowering.nvgemm.problem import Impl, Problem
 
-__all__ = ["Candidate", "UNFUSED", "compile_chain", "default_candidates", "unfused_impl"]
+__all__ = ["Candidate", "INDUCTOR_MODE", "UNFUSED", "compile_chain", "default_candidates",
+           "inductor_candidate_name", "unfused_impl"]
 
 logger = logging.getLogger("branchyard")
 
@@ -77,11 +79,15 @@ UNFUSED = "aten:unfused"
 class Candidate:
     """One way to run a problem. ``build(problem)`` returns an :data:`~.problem.Impl`
     or raises (the candidate is then excluded with the error as reason);
-    ``applies(problem)`` returns ``None`` or why the candidate does not apply."""
+    ``applies(problem)`` returns ``None`` or why the candidate does not apply;
+    ``available(problem)`` returns ``None`` or why this process cannot build it
+    *now* (a per-process limit), though it could run the problem: a winner
+    raced without it is not final, and a process that can build it tunes again."""
 
     name: str
     build: Callable[[Problem], Impl]
     applies: Callable[[Problem], str | None] = lambda problem: None
+    available: Callable[[Problem], str | None] = lambda problem: None
 
 
 # --- the unfused chain -------------------------------------------------------
@@ -330,15 +336,40 @@ def _inductor_fn(key: tuple, spec: EpilogueSpec, mode: str, a, b_kn, operands) -
         return fn
 
 
-def _inductor_build(problem: Problem, mode: str) -> Impl:
-    head = (str(problem.spec), mode, problem.dtype, problem.operand_dtypes, problem.device)
-    mnk = (problem.m, problem.n, problem.k)
+#: The ``torch.compile`` mode the Inductor candidate compiles with unless
+#: ``BRANCHYARD_NVGEMM_INDUCTOR_MODE`` names another.
+INDUCTOR_MODE = "max-autotune-no-cudagraphs"
+
+
+def inductor_candidate_name(mode: str = INDUCTOR_MODE) -> str:
+    """``triton:inductor``, with the mode appended where it is not the default: a
+    winner raced against one mode's kernels says nothing about another's.
+
+        >>> inductor_candidate_name(), inductor_candidate_name("default")
+        ('triton:inductor', 'triton:inductor[default]')
+    """
+    return "triton:inductor" if mode == INDUCTOR_MODE else f"triton:inductor[{mode}]"
+
+
+def _inductor_head(problem: Problem, mode: str) -> tuple:
+    return (str(problem.spec), mode, problem.dtype, problem.operand_dtypes, problem.device)
+
+
+def _inductor_unavailable(problem: Problem, mode: str) -> str | None:
+    """Why this process compiles no new shape for ``problem`` (its cap is reached), or ``None``."""
+    head, mnk = _inductor_head(problem, mode), (problem.m, problem.n, problem.k)
     cap = _inductor_cap()
     if len(_INDUCTOR_FNS) >= cap and not any(key[:2] == (head, mnk) for key in _INDUCTOR_FNS):
-        raise LoweringError(
-            f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)",
-            where="triton:inductor candidate", hint="raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more",
-        )
+        return f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)"
+    return None
+
+
+def _inductor_build(problem: Problem, mode: str) -> Impl:
+    head = _inductor_head(problem, mode)
+    unavailable = _inductor_unavailable(problem, mode)
+    if unavailable is not None:
+        raise LoweringError(unavailable, where="triton:inductor candidate",
+                            hint="raise BRANCHYARD_NVGEMM_INDUCTOR_MAX to allow more")
     spec = problem.spec
 
     def impl(a, b_kn, operands, out):
@@ -484,7 +515,8 @@ def default_candidates(problem: Problem, *, inductor: bool | None = None) -> lis
     out.append(Candidate("cublaslt:_addmm_activation+aten", _lt_prefix_build, _lt_prefix_applies))
     out.append(Candidate("cublas:addmm+aten", _addmm_prefix_build, _addmm_prefix_applies))
     if inductor:
-        mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "max-autotune-no-cudagraphs")
-        out.append(Candidate("triton:inductor", functools.partial(_inductor_build, mode=mode)))
+        mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", INDUCTOR_MODE)
+        out.append(Candidate(inductor_candidate_name(mode), functools.partial(_inductor_build, mode=mode),
+                             available=functools.partial(_inductor_unavailable, mode=mode)))
     out.append(Candidate(UNFUSED, _aten_build))
     return out

@@ -88,6 +88,8 @@ class TuneResult:
     winner: str
     timings: dict[str, float] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
+    #: The excluded candidates this process could not build now (``Candidate.available``).
+    unavailable: list[str] = field(default_factory=list)
     from_cache: bool = False
     #: How many timings each re-timed contender's median is over (empty: one pass decided).
     rounds: dict[str, int] = field(default_factory=dict)
@@ -276,12 +278,14 @@ class Autotuner:
         problem = Problem.of(a, b_kn, operands, spec, mode)
         cands = {c.name: c for c in self.candidates(problem)}
         key = problem.key(self._env(problem))
-        entry = self.db.get(key, known=list(cands))
+        # what this process can build now: an entry must have raced all of it
+        entry = self.db.get(key, known=[n for n, c in cands.items() if c.available(problem) is None])
         if entry is not None:
             try:
                 impl = cands[entry["winner"]].build(problem)
                 self.results[key] = TuneResult(key, entry["winner"], dict(entry.get("timings") or {}),
-                                               dict(entry.get("excluded") or {}), from_cache=True)
+                                               dict(entry.get("excluded") or {}),
+                                               list(entry.get("unavailable") or []), from_cache=True)
                 logger.info("nvgemm: %s -> %s (from %s)", problem, entry["winner"], self.db.path)
                 return impl
             except Exception as exc:  # the recorded winner no longer builds: retune
@@ -316,6 +320,9 @@ class Autotuner:
         built: dict[str, Impl] = {}
         for cand in cands:
             why = cand.applies(problem)
+            if why is None and (now := cand.available(problem)) is not None:
+                why = f"not available in this process: {now}"
+                result.unavailable.append(cand.name)
             if why is None:
                 why = self._try(cand, problem, a, b_kn, operands, ref, result, built, timer)
             if why is not None:
@@ -337,6 +344,7 @@ class Autotuner:
         self.results[key] = result
         self.db.put(key, {
             "winner": result.winner, "timings": result.timings, "excluded": result.excluded,
+            "unavailable": result.unavailable,
             "playoff": result.playoff, "timing": problem.timing,
             "problem": str(problem), "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })

@@ -81,16 +81,20 @@ class WinnerDB:
             return False
         if not all(isinstance(entry.get(field) or {}, dict) for field in ("timings", "excluded")):
             return False  # what the race saw is read below: it must be a name -> figure/reason map
+        unavailable = entry.get("unavailable") or []
+        if not isinstance(unavailable, list) or not all(isinstance(n, str) for n in unavailable):
+            return False
         body = {k: v for k, v in entry.items() if k != "checksum"}
         return entry.get("checksum") == _checksum(body)
 
     def get(self, key: str, known: Sequence[str] | None = None) -> dict[str, Any] | None:
         """The entry for ``key`` if present and intact; with ``known`` (the
         candidate names offered now), only if its winner is still one of them
-        and its race saw every one of them (timed or excluded). A winner
-        picked while a candidate was off (``BRANCHYARD_NVGEMM_INDUCTOR=0``, an
-        older version) says nothing about that candidate, so the problem is
-        tuned again."""
+        and its race saw every one of them (timed, or excluded for a reason of
+        the problem's: not one its process named ``unavailable``). A winner
+        picked while a candidate was off (``BRANCHYARD_NVGEMM_INDUCTOR=0``, a
+        per-process cap, an older version) says nothing about that
+        candidate, so the problem is tuned again."""
         entry = self._read().get(key) if self.disk_error is None else None
         if entry is not None and not self._intact(entry):
             logger.warning("nvgemm: winner entry for %s is damaged; retuning", key)
@@ -104,6 +108,7 @@ class WinnerDB:
             logger.info("nvgemm: stale winner %r for %s (no longer a candidate); retuning", entry.get("winner"), key)
             return None
         raced = set(entry.get("timings") or ()) | set(entry.get("excluded") or ())
+        raced -= set(entry.get("unavailable") or ())
         unraced = [name for name in known or () if raced and name not in raced]
         if unraced:
             logger.info("nvgemm: winner %r for %s was picked without %s; retuning", entry.get("winner"), key,

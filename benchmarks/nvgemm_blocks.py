@@ -7,6 +7,7 @@ Usage (on the H200; see docs/gpu.md for the environment)::
     python benchmarks/nvgemm_blocks.py --blocks llama3_8b_mlp --m 1 16 64 --no-compile
     python benchmarks/nvgemm_blocks.py --dry-run               # CPU smoke at tiny sizes (the CPU test runs it)
     python benchmarks/nvgemm_blocks.py --blocks llama3_8b_attn_proj --m 1 --no-merge   # q/k/v not merged
+    python benchmarks/nvgemm_blocks.py --blocks llama3_70b_mlp --m 1 --explain   # why each op was kept
 
 Blocks, built here with the widths of widely used models (bfloat16, random weights):
 
@@ -44,6 +45,12 @@ program as it was (the rewritten graph's code is the unrewritten one's),
 the target's verdict is ``SAME``, not PASS or FAIL: the two columns time one
 program, so their ratio is timing noise; the summary counts such rows apart.
 The columns' order rotates from repeat to repeat.
+
+``--explain`` prints, under each row, both rewrites' pass reports (every
+race decision: the program's time with and without each fused group, and
+the win it needed) and the tuning table of every problem tuned for the row
+(each candidate's time, each exclusion and its reason; "from the cache"
+where a stored winner was used).
 
 Targets printed per row and summarised: ``rewritten >= 1.00x unrewritten``
 eager and in the graph, ``rewritten >= 0.98x compile`` in the graph (ratios
@@ -200,7 +207,9 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
             iters: int, repeats: int, cold_l2: bool = False, merge: bool = True) -> dict[str, float | str]:
     """Every column for one block at one M (None where a column does not apply)."""
     import branchyard.lowering.nvgemm as nvgemm
+    from branchyard.lowering.nvgemm.tuner import get_autotuner
 
+    tuned_before = set(get_autotuner().results)
     torch.manual_seed(0)
     block = spec.make().to(device=device, dtype=dtype).eval()
     x = torch.randn(m, spec.d, device=device, dtype=dtype)
@@ -209,8 +218,7 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
         want = block(*args)
         ep = torch.export.export(block, args)
         # The rewritten program as each kind of caller gets it: the default (eager) and for CUDA graphs.
-        eager_prog = nvgemm(ep, merge_siblings=merge)
-        graph_prog = nvgemm(ep, calling="graph", merge_siblings=merge)
+        (eager_prog, eager_report), (graph_prog, graph_report) = (_rewrite(ep, how, merge) for how in ("eager", "graph"))
         callers = {"module": (block, block), "unrewritten": (ep.module(),) * 2,
                    "rewritten": (eager_prog.module(), graph_prog.module())}
         if compile_mode is not None:
@@ -234,7 +242,20 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
                     graphs[f"{name}_graph"] = graph_replay(in_graph)
         row.update(time_us(eager))
         row.update(time_us(graphs, flush=nvgemm.timing.L2Flush(device) if cold_l2 and graphs else None))
+    tuned = {k: r for k, r in get_autotuner().results.items() if k not in tuned_before}
+    row["explain"] = "\n".join(
+        [f"eager rewrite: {eager_report}", f"graph rewrite: {graph_report}"]
+        + [f"tuned{' (from the cache)' if r.from_cache else ''} {k} -> {r.winner}\n{r.table()}" for k, r in tuned.items()])
     return row
+
+
+def _rewrite(ep, calling: str, merge: bool):
+    """``nvgemm(ep, calling=calling)`` and the pass's report."""
+    from branchyard.fx.pass_infra import Pipeline
+    from branchyard.lowering.nvgemm.fuse import NvGemmPass
+
+    the_pass = NvGemmPass(calling, merge_siblings=merge).bind_inputs(ep)
+    return Pipeline([the_pass], steps=1)(ep).program, the_pass.report
 
 
 def fused_ops(program, unrewritten=None) -> str:
@@ -315,6 +336,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-merge", action="store_true",
                         help="rewrite with nvgemm(..., merge_siblings=False): q/k/v stay separate GEMMs")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--explain", action="store_true",
+                        help="print each row's race decisions and tuning tables under it")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, float32, toy widths, M in {1, 4}, no torch.compile: checks every column runs "
                              "and matches the eager block")
@@ -344,6 +367,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(run_row(table[name], m, device=device, dtype=dtype, compile_mode=compile_mode,
                                 iters=iters, repeats=repeats, cold_l2=args.cold_l2, merge=not args.no_merge))
             print(report(rows[-1:], markdown=False).splitlines()[0], flush=True)
+            if args.explain:
+                print(rows[-1]["explain"], flush=True)
     print()
     print(report(rows, markdown=args.markdown))
     return rows

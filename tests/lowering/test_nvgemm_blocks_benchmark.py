@@ -125,3 +125,18 @@ def test_a_flush_runs_before_every_call_and_is_not_timed(bench):
 def test_cold_l2_is_an_option_of_the_run(bench):
     rows = bench.main(["--dry-run", "--cold-l2", "--blocks", "gpt2_mlp", "--m", "1"])
     assert [(r["block"], r["m"]) for r in rows] == [("gpt2_mlp", 1)]
+
+
+def test_explain_prints_each_rewrites_report_under_its_row(bench, capsys):
+    rows = bench.main(["--dry-run", "--blocks", "llama3_8b_mlp", "--m", "1", "--explain"])
+    out = capsys.readouterr().out
+    (row,) = rows
+    head = next(line for line in out.splitlines() if line.startswith("llama3_8b_mlp "))
+    after = out.split(head, 1)[1]
+    assert after.lstrip("\n").startswith("eager rewrite: nvgemm: modified")
+    assert "graph rewrite: nvgemm: modified" in after
+    # on CPU the race does not run, and the reports say so; the op tunes nothing there
+    assert after.count("race: not raced: the program runs on cpu") == 2, after
+    # at M = 1 the residual x is [1, N]: a row added to every row, read as a bias
+    assert "specs: ['w=nk;silu;mul_mm@0;out=float32', 'w=nk;bias@0;out=float32']" in after
+    assert "tuned" not in row["explain"]

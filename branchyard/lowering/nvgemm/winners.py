@@ -105,7 +105,8 @@ class WinnerDB:
         if entry is None:
             return None
         if known is not None and entry.get("winner") not in known:
-            logger.info("nvgemm: stale winner %r for %s (no longer a candidate); retuning", entry.get("winner"), key)
+            logger.info("nvgemm: stale winner %r for %s (not a candidate this process can build); retuning",
+                        entry.get("winner"), key)
             return None
         raced = set(entry.get("timings") or ()) | set(entry.get("excluded") or ())
         raced -= set(entry.get("unavailable") or ())

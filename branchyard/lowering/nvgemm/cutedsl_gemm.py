@@ -52,7 +52,7 @@ kernels in memory and in the on-disk :class:`~.kernel_cache.KernelCache`, and
 launches them. It imports without CUDA or CuTeDSL: everything touching
 ``cutlass`` is imported inside functions.
 
-    >>> from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
+    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
     >>> spec = EpilogueSpec.parse("w=nk;bias@0;silu;out=bfloat16")
     >>> kernel_cache_key(plan_steps(spec), "bfloat16", "bfloat16", ["bfloat16"], "nk",
     ...                  GemmConfig(128, 256))["steps"]
@@ -230,7 +230,7 @@ def kernel_cache_key(
     B layout, the kernel (``fused_gemm`` or the small-M ``gemv``), every config
     field, the target arch and the tvm-ffi version (the exported launcher's ABI).
 
-        >>> from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
+        >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
         >>> key = kernel_cache_key(plan_steps(EpilogueSpec.parse("w=nk;bias@0;silu;out=bfloat16")), "bfloat16",
         ...                        "bfloat16", ["bfloat16"], "nk", GemmConfig(128, 256))
         >>> key["steps"], key["config"]["tile_n"]

@@ -11,11 +11,12 @@ Semantics, for one output element (``x`` the fp32 accumulator)::
         x = step.fn(x, operands[step.index][row, col], m)    # "matrix"
         x = step.fn(x, (a @ operands[step.index].T)[row, col], m)  # "weight": the small-M
                                                              # kernel's second accumulator
+
 ``step.fn`` is the row's ``kernel_formula`` (else its ``formula``) from
 :data:`~branchyard.lowering.nvgemm.epilogue.EPILOGUE_TABLE`; nothing here
 knows an op by name. Imports without CuTeDSL (``CuteMath`` imports it when built).
 
-    >>> from branchyard.lowering.nvgemm.epilogue import TENSOR_OPERANDS, EpilogueSpec
+    >>> from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
     >>> [s.operand for s in plan_steps(EpilogueSpec.parse("w=nk;bias@0;gelu_erf;residual@1;out=bfloat16"))]
     ['col', 'none', 'matrix']
 """

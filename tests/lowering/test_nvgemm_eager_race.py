@@ -191,7 +191,8 @@ def test_compare_interleaves_the_two_programs_and_takes_medians():
         return (10.0 * len(v.fused) + next(drift)) / 1e3
 
     a, b = Variant(frozenset({"x"}), lambda: None), Variant(frozenset(), lambda: None)
-    a_us, b_us = ProgramRace(timer=timer, blocks=4).compare(a, b)
+    timed = ProgramRace(timer=timer, blocks=4).compare(a, b)
+    a_us, b_us = timed.a_us, timed.b_us
     assert order == ["fusing x", "unrewritten", "unrewritten", "fusing x"] * 2
     # a's blocks at drift 0, 3, 4, 7 and b's at 1, 2, 5, 6: equal medians apart from the 10 us
     assert (a_us, b_us) == (pytest.approx(13.5), pytest.approx(3.5))

@@ -297,16 +297,11 @@ class ProgramRace:
         """Whether ``comparison.a`` (fused) beats ``comparison.b`` (unfused) by :meth:`needed`."""
         return comparison.a_us < comparison.b_us * (1 - self.needed(comparison, calling))
 
-    def time(self, a: Variant, b: Variant) -> Comparison:
+    def compare(self, a: Variant, b: Variant) -> Comparison:
         """``a`` and ``b`` timed in interleaved blocks (microseconds per call, one sample per block)."""
         timer = self.timer or _default_timer
         times = time_round_robin({"a": a, "b": b}, self.blocks, lambda _, variant: float(timer(variant)) * 1e3)
         return Comparison(tuple(times["a"]), tuple(times["b"]))
-
-    def compare(self, a: Variant, b: Variant) -> tuple[float, float]:
-        """Median microseconds per call of ``a`` and ``b``, timed in interleaved blocks."""
-        comparison = self.time(a, b)
-        return comparison.a_us, comparison.b_us
 
     def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
         """Race the programs ``build(fused)`` makes (see the module docstring)."""
@@ -319,7 +314,7 @@ class ProgramRace:
                 if group not in current.fused:
                     continue
                 without = build(current.fused - {group})
-                timed = self.time(current, without)
+                timed = self.compare(current, without)
                 keep = self.wins(timed, calling)
                 decisions.append(RaceDecision(group, timed.a_us, timed.b_us, keep, self.needed(timed, calling)))
                 if not keep:
@@ -328,7 +323,7 @@ class ProgramRace:
         if not current.fused:  # every group lost on its own: the last comparison timed the program as it was
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
-        timed = self.time(current, build(frozenset()))
+        timed = self.compare(current, build(frozenset()))
         needed = self.needed(timed, calling)
         if not self.wins(timed, calling):
             decisions += [RaceDecision(g, timed.a_us, timed.b_us, False, needed) for g in groups if g in current.fused]

@@ -34,10 +34,23 @@ def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last
     total = cute.size(acc)
     chunk = next(c for c in (_CHUNK, 4, 1) if total % c == 0)
     formulas = [kernel_formula(step) for step in steps]
-    for start in range(0, total, chunk):
-        vals = cute.make_rmem_tensor((chunk,), cutlass.Float32)
+
+    def gathered(value):
+        """The fp32 register vector of ``value(j)`` for ``j < chunk``."""
+        vec = cute.make_rmem_tensor((chunk,), cutlass.Float32)
         for j in range(chunk):
-            vals[j] = acc[start + j]
+            vec[j] = value(j)
+        return vec
+
+    def from_global(src, kind, start, j):
+        """Operand ``src``'s element at ``acc[start + j]``'s (row, col), clamped in bounds."""
+        row, col = coords[start + j]
+        col = cutlass.min(col, n_last)
+        value = src[col] if kind == "col" else src[cutlass.min(row, m_last), col]
+        return value.to(cutlass.Float32)
+
+    for start in range(0, total, chunk):
+        vals = gathered(lambda j: acc[start + j])
         x = vals.load()
         for step, fn in zip(steps, formulas):
             if step.operand in ("none", "dtype"):
@@ -45,27 +58,12 @@ def apply_steps(steps, tma_mat, acc, coords, local, sR, operands, m_last, n_last
             elif step.operand == "scalar":
                 x = fn(x, step.value, m)
             elif step.operand == "weight":
-                src = products[step.index]
-                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                for j in range(chunk):
-                    gathered[j] = src[start + j]
-                x = fn(x, gathered.load(), m)
+                x = fn(x, gathered(lambda j: products[step.index][start + j]).load(), m)
             elif step.operand == "matrix" and step.index == tma_mat:
-                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                for j in range(chunk):
-                    gathered[j] = sR[local[start + j]].to(cutlass.Float32)
-                x = fn(x, gathered.load(), m)
+                x = fn(x, gathered(lambda j: sR[local[start + j]].to(cutlass.Float32)).load(), m)
             else:
-                src = operands[step.index]
-                gathered = cute.make_rmem_tensor((chunk,), cutlass.Float32)
-                for j in range(chunk):
-                    row, col = coords[start + j]
-                    col = cutlass.min(col, n_last)
-                    if step.operand == "col":
-                        gathered[j] = src[col].to(cutlass.Float32)
-                    else:
-                        gathered[j] = src[cutlass.min(row, m_last), col].to(cutlass.Float32)
-                x = fn(x, gathered.load(), m)
+                x = fn(x, gathered(lambda j: from_global(operands[step.index], step.operand, start, j)).load(),
+                       m)
         vals.store(x)
         for j in range(chunk):
             acc[start + j] = vals[j]

@@ -48,7 +48,6 @@ import torch
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.epilogue import (
-    TENSOR_OPERANDS,
     EpilogueSpec,
     addmm_prefix,
     cublaslt_prefix,
@@ -388,18 +387,13 @@ def _inductor_build(problem: Problem, mode: str) -> Impl:
 # --- our kernel and cutlass-operators' plain GEMM -----------------------------
 
 
-def _has_weight_step(spec: EpilogueSpec) -> bool:
-    return any(s.op.operand == "weight" for s in spec.steps)
-
-
 def _cutedsl_build(problem: Problem, config: Any) -> Impl:
     from branchyard.lowering.nvgemm import cutedsl_gemm
 
     spec, dtypes = problem.spec, list(problem.operand_dtypes)
-    expand = _has_weight_step(spec) and not getattr(config, "dual", False)
+    expand = bool(spec.weight_operands) and not getattr(config, "dual", False)
     if expand:  # a @ w2.T by torch.mm first: the kernel's operand is that [M, N] product
-        dtypes = [problem.dtype if s.op.operand == "weight" else dtypes[s.operand]  # type: ignore[index]
-                  for s in spec.steps if s.op.operand in TENSOR_OPERANDS]
+        dtypes = [problem.dtype if i in spec.weight_operands else d for i, d in enumerate(dtypes)]
         spec = expand_weight_steps(spec)
     # compile_fused_gemm keeps compiled kernels in the on-disk KernelCache, so
     # a later process loads them in milliseconds instead of recompiling.
@@ -438,8 +432,8 @@ class _KernelImpl:
 def _small_m_applies(problem: Problem, rows: int = 16) -> str | None:
     why = small_m_ineligibility(problem.m, problem.n, problem.k, problem.dtype, problem.b_layout,
                                 problem.spec.out_dtype, rows)
-    if why is None and _has_weight_step(problem.spec):
-        weights = [s.operand for s in problem.spec.steps if s.op.operand == "weight"]
+    weights = problem.spec.weight_operands
+    if why is None and weights:
         if len(weights) > 1:
             return f"{len(weights)} second weights: the dual small-M kernel reads one"
         if problem.operand_dtypes[weights[0]] != problem.dtype:  # type: ignore[index]
@@ -457,7 +451,7 @@ def _cutedsl_candidates(problem: Problem) -> list[Candidate]:
         logger.info("nvgemm: no CuTeDSL candidates: %s", why)
         return []
     configs = candidate_configs(problem.m, problem.n, problem.k, dtype_name(problem.dtype))
-    dual = _has_weight_step(problem.spec)
+    dual = bool(problem.spec.weight_operands)
     small = small_m_configs(problem.m, problem.n, problem.k, dual) if _small_m_applies(problem) is None else []
     limit = os.environ.get("BRANCHYARD_NVGEMM_MAX_CONFIGS")
     if limit:

@@ -488,6 +488,11 @@ class EpilogueSpec:
         return sum(1 for s in self.steps if s.op.operand in TENSOR_OPERANDS)
 
     @property
+    def weight_operands(self) -> tuple[int, ...]:
+        """The ``operands`` indices that are second ``[N, K]`` weights (``weight`` steps), in step order."""
+        return tuple(s.operand for s in self.steps if s.op.operand == "weight")  # type: ignore[misc]
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The step names in order, e.g. ``("bias", "gelu_erf")``."""
         return tuple(s.op.name for s in self.steps)
@@ -622,7 +627,7 @@ def expand_weight_steps(spec: EpilogueSpec) -> EpilogueSpec:
         >>> str(expand_weight_steps(EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=bfloat16")))
         'w=nk;silu;mul@0;out=bfloat16'
     """
-    if not any(s.op.operand == "weight" for s in spec.steps):
+    if not spec.weight_operands:
         return spec
     steps = tuple(EpilogueStep(EPILOGUE_OPS[s.op.expands_to], s.operand) if s.op.operand == "weight" else s  # type: ignore[index]
                   for s in spec.steps)
@@ -634,9 +639,8 @@ def weight_products(a: torch.Tensor, spec: EpilogueSpec, operands: Any) -> list[
     ``torch.mm(a, w.T)`` (``[M, N]``, in the inputs' dtype): the operands of
     :func:`expand_weight_steps` ``(spec)``."""
     out = list(operands)
-    for step in spec.steps:
-        if step.op.operand == "weight":
-            out[step.operand] = torch.mm(a, out[step.operand].t())  # type: ignore[index]
+    for i in spec.weight_operands:
+        out[i] = torch.mm(a, out[i].t())
     return out
 
 

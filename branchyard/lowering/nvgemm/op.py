@@ -384,8 +384,7 @@ def run_unfused(a: torch.Tensor, b: torch.Tensor, operands: list[torch.Tensor], 
     """The chain as the original program ran it: ``mm`` in the inputs' dtype,
     then one ATen op per step (capturable in a CUDA graph). Mixed input dtypes,
     which no original program could multiply, run the reference semantics."""
-    if a.dtype != b.dtype or any(operands[s.operand].dtype != a.dtype  # type: ignore[index]
-                                 for s in spec.steps if s.op.operand == "weight"):
+    if a.dtype != b.dtype or any(operands[i].dtype != a.dtype for i in spec.weight_operands):
         return reference_fused_gemm(a, b, operands, spec)
     b_kn = b.t() if spec.weight_layout == "nk" else b
     k, n = b_kn.shape

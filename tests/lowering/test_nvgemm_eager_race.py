@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import statistics
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from branchyard.errors import LoweringError
 from branchyard.fx.pass_infra import Pipeline
 from branchyard.lowering.nvgemm import program_race as race_mod
 from branchyard.lowering.nvgemm.fuse import NvGemmPass, chain_group, nvgemm
-from branchyard.lowering.nvgemm.program_race import CALLINGS, MARGINS, ProgramRace, Variant
+from branchyard.lowering.nvgemm.program_race import CALLINGS, MARGINS, Comparison, ProgramRace, Variant
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 
@@ -166,7 +167,8 @@ def test_an_explicit_margin_holds_for_both_callings():
 
 
 def test_a_noisy_timing_asks_for_a_win_larger_than_its_spread():
-    # blocks of the unfused program spread by 8% (IQR over median): a 5% median win is within it
+    # the unfused program's blocks vary by +-4 us from one round to the next while the fused one's do not:
+    # the rounds' ratios spread by 8% (IQR over median), and a 5% win is within it
     noise = iter([-4.0, 0.0, 4.0] * 3)
     base = {frozenset(): 100.0, frozenset({"g"}): 95.0}
     timer = lambda v: (base[v.fused] + (next(noise) if not v.fused else 0.0)) / 1e3  # noqa: E731
@@ -174,12 +176,59 @@ def test_a_noisy_timing_asks_for_a_win_larger_than_its_spread():
     decision = result.decisions[-1]
     assert result.fused == frozenset()
     assert decision.fused_us == pytest.approx(95.0) and decision.unfused_us == pytest.approx(100.0)
-    assert decision.needed == pytest.approx(0.08)
-    assert "a win of 8.0% needed" in str(decision)
+    assert decision.needed == pytest.approx(0.08, abs=1e-3) and decision.won == pytest.approx(0.05)
+    assert "5.0% faster round by round, a win of 8.0% needed" in str(decision)
     # the same win on steady timings is kept
     steady = ProgramRace(timer=lambda v: base[v.fused] / 1e3, blocks=9).run(
         ["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
     assert steady.fused == frozenset({"g"})
+
+
+class DriftingClock:
+    """Both programs' blocks on a clock that slows by ``drift`` per round (a GPU
+    heating up at its power limit): round ``r`` of a variant takes
+    ``us[fused] * (1 + drift * r)``, ``jitter`` added to the unfused program's blocks in turn."""
+
+    def __init__(self, us: dict, drift: float, jitter: tuple[float, ...] = (0.0,)):
+        self.us, self.drift, self.jitter = us, drift, jitter
+        self.blocks: dict[frozenset, int] = {}
+
+    def __call__(self, v: Variant) -> float:
+        r = self.blocks.get(v.fused, 0)
+        self.blocks[v.fused] = r + 1
+        extra = 0.0 if v.fused else self.jitter[r % len(self.jitter)]
+        return (self.us[v.fused] * (1 + self.drift * r) + extra) / 1e3
+
+
+def test_a_drifting_clock_does_not_hide_a_win_made_in_every_round():
+    # each program's blocks spread by ~12% as the clock drifts 3% per round, but within every round the
+    # fused program is 3% faster: the ratios do not spread, and the 3% win clears the 1% floor
+    clock = DriftingClock({frozenset(): 100.0, frozenset({"g"}): 97.0}, drift=0.03)
+    result = ProgramRace(timer=clock, blocks=9).run(["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+    decision = result.decisions[-1]
+    assert result.fused == frozenset({"g"})
+    assert decision.won == pytest.approx(0.03) and decision.needed == pytest.approx(MARGINS["graph"])
+    timed = ProgramRace(timer=DriftingClock(clock.us, drift=0.03), blocks=9).compare(
+        Variant(frozenset({"g"}), lambda: None), Variant(frozenset(), lambda: None))
+    assert _spread_of(timed.b) > 0.1 and timed.spread < 1e-9
+
+
+def test_a_drifting_clock_does_not_make_a_win_out_of_a_tie():
+    for jitter in ((0.0,), (-3.0, 0.0, 3.0)):
+        clock = DriftingClock({frozenset(): 100.0, frozenset({"g"}): 100.0}, drift=0.05, jitter=jitter)
+        result = ProgramRace(timer=clock, blocks=9).run(
+            ["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+        assert result.fused == frozenset() and not result.decisions[-1].kept_fused
+
+
+def test_a_comparison_needs_one_block_of_each_program_per_round():
+    with pytest.raises(LoweringError, match="one block of each program per round .got 2 and 3 blocks"):
+        Comparison((1.0, 2.0), (1.0, 2.0, 3.0))
+
+
+def _spread_of(samples) -> float:
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(samples)
 
 
 def test_compare_interleaves_the_two_programs_and_takes_medians():
@@ -217,7 +266,7 @@ def test_identical_chains_are_one_group_decided_together():
     assert len([s for s in p.report.skips if "left unfused" in s.reason]) == 2
     assert p.report.stats["race_decisions"] == [
         "w=nk;bias@0;relu;out=float32 [4x16 @ 16x16, 16]: left unfused (53.0 us per call fused, 50.0 us unfused; "
-        "a win of 3.0% needed)"]
+        "6.0% slower round by round, a win of 3.0% needed)"]
 
 
 class FakeCapture:

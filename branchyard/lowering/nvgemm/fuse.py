@@ -216,7 +216,7 @@ class NvGemmPass(BranchyardPass):
     ``report.stats``: ``fused`` (chains replaced), ``declined`` (roots left
     alone), ``specs`` (the spec of each fused chain, in graph order), ``race``
     (what the race found, or why it did not run),
-    ``race_decisions`` (each group's time per call fused and unfused),
+    ``race_decisions`` (each group's time per call fused and unfused, the win measured and the win needed),
     ``merged`` (the sibling groups merged) and ``merge`` (what became of the
     merge, and why). Each chain the race left unfused is a skip with its figures.
     """

@@ -14,9 +14,10 @@ So the pass races the programs themselves and keeps only what wins.
 Semantics::
 
     def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
-        def wins(fused, unfused):              # each: the samples of interleaved blocks
-            needed = max(margin, spread(fused), spread(unfused))
-            return median(fused) < median(unfused) * (1 - needed)
+        def wins(fused, unfused):              # one block of each per round, timed one after the other
+            ratios = [f / u for f, u in zip(fused, unfused)]
+            needed = max(margin, spread(ratios))
+            return median(ratios) < 1 - needed
         fused = set(groups)                    # build(fused): the program with those groups fused
         if len(groups) > 1:
             for g in groups:                   # greedily: each group left unfused in turn
@@ -29,14 +30,17 @@ Semantics::
                 fused = set()                  # the rewrite lost: the program as it was
         return fused
 
-``compare(a, b)`` times the two programs in interleaved blocks (A/B, then
-B/A, ...), so drift and noise hit both alike. A fused variant must win by
-what the timing can tell apart: the ``margin`` (a fraction of the unfused
-time; by default 3% for eager calls, whose host time is noisy, and 1% for
-graph replays, timed on the device alone) or the measured ``spread`` of
-either program's blocks (interquartile range over median), whichever is
-larger. A smaller win is no evidence, and on a tie the program as it was
-is the safe choice. The margin is of the whole program's time: a group
+``compare(a, b)`` times the two programs in rounds of one block each (A/B,
+then B/A, ...). A fused variant must win by what the timing can tell apart:
+the ``margin`` (a fraction of the unfused time; by default 3% for eager
+calls, whose host time is noisy, and 1% for graph replays, timed on the
+device alone) or the ``spread`` of the round-by-round ratios (interquartile
+range over median), whichever is larger. The ratios are taken within a
+round because a clock that drifts from round to round (a GPU at its power
+limit, a busy host) moves both blocks of a round alike: it cancels in their
+ratio, while each program's blocks taken apart would spread with it and
+hide a real win. A smaller win is no evidence, and on a tie the program as
+it was is the safe choice. The margin is of the whole program's time: a group
 that is a small part of a long program must save several times the margin
 of its own time, so the floor is kept low where the timing is steady.
 Chains that pose the same problem (spec, shapes, dtypes) are one group: they
@@ -150,28 +154,43 @@ class Variant:
 @dataclass(frozen=True)
 class RaceDecision:
     """One group's verdict: the program's time per call with the group fused and
-    without it (the rest as decided so far), which was kept, and the win the
-    timing asked for (``needed``, a fraction of the unfused time)."""
+    without it (the rest as decided so far; medians), which was kept, the win
+    measured round by round (``won``: one minus the median ratio of fused to
+    unfused; negative where the fused program was slower) and the win the
+    timing asked for (``needed``); both fractions of the unfused time."""
 
     chains: str
     fused_us: float
     unfused_us: float
     kept_fused: bool
     needed: float = math.nan
+    won: float = math.nan
 
     def __str__(self) -> str:
         verdict = "fused" if self.kept_fused else "left unfused"
-        needed = "" if math.isnan(self.needed) else f"; a win of {self.needed:.1%} needed"
+        parts = []
+        if math.isfinite(self.won):
+            parts.append(f"{self.won:.1%} faster round by round" if self.won >= 0
+                         else f"{-self.won:.1%} slower round by round")
+        if not math.isnan(self.needed):
+            parts.append(f"a win of {self.needed:.1%} needed")
+        tail = "; " + ", ".join(parts) if parts else ""
         return (f"{self.chains}: {verdict} ({self.fused_us:.1f} us per call fused, "
-                f"{self.unfused_us:.1f} us unfused{needed})")
+                f"{self.unfused_us:.1f} us unfused{tail})")
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """Two programs timed in interleaved blocks: each one's microseconds per call, one sample per block."""
+    """Two programs timed in rounds of one block each: each one's microseconds
+    per call, one sample per round (``a[i]`` and ``b[i]`` ran one after the other)."""
 
     a: tuple[float, ...]
     b: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.a) != len(self.b) or not self.a:
+            raise LoweringError(f"a comparison needs one block of each program per round "
+                                f"(got {len(self.a)} and {len(self.b)} blocks)", where="Comparison")
 
     @property
     def a_us(self) -> float:
@@ -182,13 +201,26 @@ class Comparison:
         return statistics.median(self.b)
 
     @property
-    def spread(self) -> float:
-        """The larger of the two programs' interquartile ranges over their medians (0 with one block).
+    def ratios(self) -> tuple[float, ...]:
+        """``a``'s time over ``b``'s, round by round (``inf`` for a round with a block that did not time)."""
+        return tuple(x / y if math.isfinite(x) and math.isfinite(y) and y > 0 else math.inf
+                     for x, y in zip(self.a, self.b))
 
-            >>> Comparison((9.0, 9.5, 10.0, 10.5, 11.0), (20.0,) * 5).spread
-            0.1
+    @property
+    def ratio(self) -> float:
+        """The median of :attr:`ratios`: below 1 where ``a`` is the faster program."""
+        return statistics.median(self.ratios)
+
+    @property
+    def spread(self) -> float:
+        """The interquartile range of :attr:`ratios` over their median (0 with one round).
+        A clock that drifts between rounds moves both programs alike and leaves it small:
+
+            >>> drifting = Comparison((97.0, 107.0, 116.0, 126.0), (100.0, 110.0, 120.0, 130.0))
+            >>> round(drifting.spread, 3), round(drifting.ratio, 3)
+            (0.002, 0.97)
         """
-        return max(_spread(self.a), _spread(self.b))
+        return _spread(self.ratios)
 
 
 def _spread(samples: Sequence[float]) -> float:
@@ -294,8 +326,8 @@ class ProgramRace:
         return max(self.margin_for(calling), comparison.spread)
 
     def wins(self, comparison: Comparison, calling: Calling = "eager") -> bool:
-        """Whether ``comparison.a`` (fused) beats ``comparison.b`` (unfused) by :meth:`needed`."""
-        return comparison.a_us < comparison.b_us * (1 - self.needed(comparison, calling))
+        """Whether ``comparison.a`` (fused) beats ``comparison.b`` (unfused) round by round by :meth:`needed`."""
+        return comparison.ratio < 1 - self.needed(comparison, calling)
 
     def compare(self, a: Variant, b: Variant) -> Comparison:
         """``a`` and ``b`` timed in interleaved blocks (microseconds per call, one sample per block)."""
@@ -316,7 +348,8 @@ class ProgramRace:
                 without = build(current.fused - {group})
                 timed = self.compare(current, without)
                 keep = self.wins(timed, calling)
-                decisions.append(RaceDecision(group, timed.a_us, timed.b_us, keep, self.needed(timed, calling)))
+                decisions.append(RaceDecision(group, timed.a_us, timed.b_us, keep, self.needed(timed, calling),
+                                              1 - timed.ratio))
                 if not keep:
                     current = without
                 del without  # if it lost, its program (and captured graph) can go before the next is built
@@ -326,10 +359,11 @@ class ProgramRace:
         timed = self.compare(current, build(frozenset()))
         needed = self.needed(timed, calling)
         if not self.wins(timed, calling):
-            decisions += [RaceDecision(g, timed.a_us, timed.b_us, False, needed) for g in groups if g in current.fused]
+            decisions += [RaceDecision(g, timed.a_us, timed.b_us, False, needed, 1 - timed.ratio)
+                          for g in groups if g in current.fused]
             return RaceResult(frozenset(), decisions, timed.b_us, timed.b_us)
         if len(groups) == 1:
-            decisions.append(RaceDecision(groups[0], timed.a_us, timed.b_us, True, needed))
+            decisions.append(RaceDecision(groups[0], timed.a_us, timed.b_us, True, needed, 1 - timed.ratio))
         return RaceResult(current.fused, decisions, timed.b_us, timed.a_us)
 
 

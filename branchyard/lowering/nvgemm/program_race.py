@@ -335,6 +335,12 @@ class ProgramRace:
         times = time_round_robin({"a": a, "b": b}, self.blocks, lambda _, variant: float(timer(variant)) * 1e3)
         return Comparison(tuple(times["a"]), tuple(times["b"]))
 
+    def decide(self, group: str, timed: Comparison, calling: Calling = "eager") -> RaceDecision:
+        """``group``'s verdict from ``timed`` (``a`` fusing it, ``b`` not): whether it
+        wins, the win measured and the win needed."""
+        return RaceDecision(group, timed.a_us, timed.b_us, self.wins(timed, calling), self.needed(timed, calling),
+                            1 - timed.ratio)
+
     def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
         """Race the programs ``build(fused)`` makes (see the module docstring)."""
         groups = list(dict.fromkeys(groups))
@@ -346,24 +352,20 @@ class ProgramRace:
                 if group not in current.fused:
                     continue
                 without = build(current.fused - {group})
-                timed = self.compare(current, without)
-                keep = self.wins(timed, calling)
-                decisions.append(RaceDecision(group, timed.a_us, timed.b_us, keep, self.needed(timed, calling),
-                                              1 - timed.ratio))
-                if not keep:
+                decisions.append(self.decide(group, self.compare(current, without), calling))
+                if not decisions[-1].kept_fused:
                     current = without
                 del without  # if it lost, its program (and captured graph) can go before the next is built
         if not current.fused:  # every group lost on its own: the last comparison timed the program as it was
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
         timed = self.compare(current, build(frozenset()))
-        needed = self.needed(timed, calling)
-        if not self.wins(timed, calling):
-            decisions += [RaceDecision(g, timed.a_us, timed.b_us, False, needed, 1 - timed.ratio)
-                          for g in groups if g in current.fused]
+        final = [self.decide(g, timed, calling) for g in groups if g in current.fused]
+        if not final[0].kept_fused:
+            decisions += final
             return RaceResult(frozenset(), decisions, timed.b_us, timed.b_us)
         if len(groups) == 1:
-            decisions.append(RaceDecision(groups[0], timed.a_us, timed.b_us, True, needed, 1 - timed.ratio))
+            decisions += final
         return RaceResult(current.fused, decisions, timed.b_us, timed.a_us)
 
 

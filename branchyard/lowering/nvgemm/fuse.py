@@ -134,6 +134,7 @@ def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
         graph.erase_node(check)
     for node in reversed(chain.nodes):
         graph.erase_node(node)
+    chain.replaced_by = fused
     return fused
 
 
@@ -177,9 +178,14 @@ def _fusable_chains(graph_module: GraphModule) -> Iterator[tuple[GraphModule, No
         # second matmul, which its mul_mm step computes); a root that is another
         # chain's operand stays in the graph.
         roots = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in MATMUL_ROOTS]
+        gone: set[Node] = set()
         for root in roots:
-            if not root._erased:  # else taken into an earlier chain (a GLU's second matmul)
-                yield gm, root, match_chain(root)
+            if root in gone:  # taken into an earlier chain (a GLU's second matmul)
+                continue
+            chain = match_chain(root)
+            yield gm, root, chain
+            if chain.replaced_by is not None:  # the caller rewrote it
+                gone.update(chain.nodes)
 
 
 def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, plain: bool = False) -> list[str]:

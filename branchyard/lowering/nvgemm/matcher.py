@@ -161,6 +161,8 @@ class EpilogueChain:
     #: While walking one half of a halved matmul: the other half's value (its ``getitem``)
     #: and its weight rows, the product a ``mul`` by it takes in.
     other_half: tuple[Node, WeightRows] | None = None
+    #: The fused op that replaced ``nodes`` once the chain is rewritten (``None`` before).
+    replaced_by: Node | None = None
 
     @property
     def fusable(self) -> bool:

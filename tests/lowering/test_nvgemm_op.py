@@ -215,6 +215,35 @@ def test_layout_ineligibility_reasons():
     assert layout_ineligibility(torch.randn(4, 8, dtype=h), torch.randn(8, 16, dtype=h), [], 8, 16) is None
 
 
+def test_without_cutedsl_a_cuda_call_is_still_tuned_among_the_other_candidates(monkeypatch):
+    """No CuTeDSL (or a GPU other than sm_90): the call is still handed to the
+    tuner, which races cuBLAS(Lt), Inductor and the unfused chain; only the
+    CuTeDSL candidates drop out."""
+    import warnings as w
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from branchyard.lowering.nvgemm import candidates as cands_mod
+    from branchyard.lowering.nvgemm import kernel_config
+    from branchyard.lowering.nvgemm.problem import Problem
+
+    missing = (False, "CuTeDSL (nvidia-cutlass-dsl) is not importable: test")
+    monkeypatch.setattr(kernel_config, "cutedsl_available", lambda: missing)
+    monkeypatch.setattr(cands_mod, "cutedsl_available", lambda: missing)
+    spec = EpilogueSpec.parse("w=kn;bias@0;relu;out=bfloat16")
+    with FakeTensorMode(), w.catch_warnings():  # CUDA tensors without a GPU (no storage: pointers read 0)
+        w.simplefilter("ignore", UserWarning)
+        a, b = torch.empty(16, 64, device="cuda", dtype=torch.bfloat16), torch.empty(64, 32, device="cuda",
+                                                                                   dtype=torch.bfloat16)
+        bias = torch.empty(32, device="cuda", dtype=torch.bfloat16)
+        assert kernel_config.fused_kernel_ineligibility(a, b, [bias], 64, 32) is None
+        assert "K=60 is not a multiple of 8" in kernel_config.fused_kernel_ineligibility(
+            a[:, :60], b[:60], [bias], 60, 32)
+        names = [c.name for c in cands_mod.default_candidates(Problem.of(a, b, [bias], spec), inductor=False)]
+    assert not [n for n in names if n.startswith("cutedsl:")]
+    assert {"cublaslt:_addmm_activation", "cublas:addmm", "aten:unfused"} <= set(names)
+
+
 def _probe_tuner(tmp_path, impl):
     from branchyard.lowering.nvgemm.candidates import Candidate
     from branchyard.lowering.nvgemm.tuner import Autotuner

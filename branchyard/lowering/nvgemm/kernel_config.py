@@ -351,17 +351,16 @@ def fused_kernel_ineligibility(
 ) -> str | None:
     """Why the GPU implementations cannot take this call, or ``None``.
 
-    Checked in order: device, CuTeDSL and the GPU (:func:`cutedsl_available`),
-    then :func:`layout_ineligibility`.
+    Checked in order: device, then :func:`layout_ineligibility`. CuTeDSL is
+    not required: without it (or on a GPU other than sm_90) the tuner races
+    the candidates that remain -- cuBLAS(Lt), Triton through Inductor and the
+    unfused chain (``candidates.default_candidates`` drops the CuTeDSL ones).
     """
     for t in (a, b_kn, *operands):
         if t.device.type != "cuda":
             return f"tensors are on {t.device.type}, not CUDA"
         if t.device != a.device:
             return f"tensors are on several devices ({a.device}, {t.device})"
-    ok, why = cutedsl_available()
-    if not ok:
-        return f"nvidia-cutlass-dsl is unavailable: {why}"
     return layout_ineligibility(a, b_kn, operands, k, n)
 
 

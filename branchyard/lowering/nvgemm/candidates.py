@@ -335,9 +335,24 @@ def _inductor_fn(key: tuple, spec: EpilogueSpec, mode: str, a, b_kn, operands) -
         return fn
 
 
-#: The ``torch.compile`` mode the Inductor candidate compiles with unless
-#: ``BRANCHYARD_NVGEMM_INDUCTOR_MODE`` names another.
+#: The ``torch.compile`` mode of the ``triton:inductor`` candidate.
 INDUCTOR_MODE = "max-autotune-no-cudagraphs"
+#: The modes offered unless ``BRANCHYARD_NVGEMM_INDUCTOR_MODE`` lists others
+#: (comma-separated). ``default`` keeps cuBLAS for the GEMMs and fuses the
+#: chain's elementwise tail into one Triton kernel; max-autotune may pick a
+#: Triton GEMM from a short benchmark that cuBLAS beats over a whole program.
+INDUCTOR_MODES = (INDUCTOR_MODE, "default")
+
+
+def inductor_modes() -> tuple[str, ...]:
+    """The Inductor modes offered as candidates (each its own candidate).
+
+        >>> inductor_modes()
+        ('max-autotune-no-cudagraphs', 'default')
+    """
+    text = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", "")
+    modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    return modes or INDUCTOR_MODES
 
 
 def inductor_candidate_name(mode: str = INDUCTOR_MODE) -> str:
@@ -359,7 +374,7 @@ def _inductor_unavailable(problem: Problem, mode: str) -> str | None:
     head, mnk = _inductor_head(problem, mode), (problem.m, problem.n, problem.k)
     cap = _inductor_cap()
     if len(_INDUCTOR_FNS) >= cap and not any(key[:2] == (head, mnk) for key in _INDUCTOR_FNS):
-        return f"{cap} Inductor compiles already made in this process (each takes minutes in max-autotune)"
+        return f"{cap} Inductor compiles already made in this process (max-autotune's take minutes each)"
     return None
 
 
@@ -497,9 +512,9 @@ def default_candidates(problem: Problem, *, inductor: bool | None = None) -> lis
 
     ``BRANCHYARD_NVGEMM_MAX_CONFIGS=n`` keeps only the first ``n`` CuTeDSL tile
     configs (each is a separate compile). ``inductor`` (default: env
-    ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds the Inductor max-autotune
-    candidate, which compiles for minutes; at most
-    ``BRANCHYARD_NVGEMM_INDUCTOR_MAX`` (default 32) shapes per process.
+    ``BRANCHYARD_NVGEMM_INDUCTOR`` != ``0``) adds one Inductor candidate per
+    mode of :func:`inductor_modes` (max-autotune compiles for minutes); at
+    most ``BRANCHYARD_NVGEMM_INDUCTOR_MAX`` (default 32) compiles per process.
     """
     if inductor is None:
         inductor = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR", "1") != "0"
@@ -508,8 +523,7 @@ def default_candidates(problem: Problem, *, inductor: bool | None = None) -> lis
     out.append(Candidate("cublas:addmm", _addmm_build, _addmm_applies))
     out.append(Candidate("cublaslt:_addmm_activation+aten", _lt_prefix_build, _lt_prefix_applies))
     out.append(Candidate("cublas:addmm+aten", _addmm_prefix_build, _addmm_prefix_applies))
-    if inductor:
-        mode = os.environ.get("BRANCHYARD_NVGEMM_INDUCTOR_MODE", INDUCTOR_MODE)
+    for mode in inductor_modes() if inductor else ():
         out.append(Candidate(inductor_candidate_name(mode), functools.partial(_inductor_build, mode=mode),
                              available=functools.partial(_inductor_unavailable, mode=mode)))
     out.append(Candidate(UNFUSED, _aten_build))

@@ -80,6 +80,19 @@ def test_more_than_eight_chains_compile_without_dynamo_and_match_the_reference()
     assert {k: dict(v) for k, v in counters.items()} == calls_before, "a call touches neither Dynamo nor Inductor"
 
 
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_each_mode_compiles_a_glu_with_its_second_weight_and_matches_the_reference(mode):
+    """A gated MLP's ``silu(a @ W1.T) * (a @ W2.T)``: the second weight is an
+    operand of the compiled chain; each mode is its own compile."""
+    g = torch.Generator().manual_seed(3)
+    spec = EpilogueSpec.parse("w=nk;silu;mul_mm@0;out=float32")
+    a, w1, w2 = torch.randn(6, 32, generator=g), torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+    impl = cands_mod._inductor_build(Problem.of(a, w1.t(), [w2], spec), mode)
+    got = impl(a, w1.t(), [w2], None)
+    torch.testing.assert_close(got, torch.nn.functional.silu(a @ w1.t()) * (a @ w2.t()), rtol=1e-4, atol=1e-4)
+    assert [key[0][1] for key in cands_mod._INDUCTOR_FNS] == [mode]
+
+
 def test_a_new_shape_or_stride_of_a_built_impl_compiles_its_own_function():
     """The tuner shares an implementation across one M bucket: M=16 and M=13
     (and a weight with padded rows) each get a function compiled for them,

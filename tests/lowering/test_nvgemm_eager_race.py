@@ -166,22 +166,78 @@ def test_an_explicit_margin_holds_for_both_callings():
         assert result.fused == frozenset() and result.decisions[-1].needed == pytest.approx(0.02)
 
 
+class NoisyClock:
+    """The unfused program's blocks vary by ``noise`` in turn from one round to the
+    next while the fused ones do not; counts the blocks timed."""
+
+    def __init__(self, us: dict, noise=(-4.0, 0.0, 4.0)):
+        self.us, self.noise, self.calls, self.unfused = us, noise, 0, 0
+
+    def __call__(self, v: Variant) -> float:
+        self.calls += 1
+        extra = 0.0
+        if not v.fused:
+            extra, self.unfused = self.noise[self.unfused % len(self.noise)], self.unfused + 1
+        return (self.us[v.fused] + extra) / 1e3
+
+
+def _graph_race(race: ProgramRace):
+    return race.run(["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+
+
 def test_a_noisy_timing_asks_for_a_win_larger_than_its_spread():
-    # the unfused program's blocks vary by +-4 us from one round to the next while the fused one's do not:
-    # the rounds' ratios spread by 8% (IQR over median), and a 5% win is within it
-    noise = iter([-4.0, 0.0, 4.0] * 3)
+    # +-4 us of noise: the rounds' ratios spread by 8% (IQR over median), and in 9 rounds a 5% win is within it
     base = {frozenset(): 100.0, frozenset({"g"}): 95.0}
-    timer = lambda v: (base[v.fused] + (next(noise) if not v.fused else 0.0)) / 1e3  # noqa: E731
-    result = ProgramRace(timer=timer, blocks=9).run(["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
+    result = _graph_race(ProgramRace(timer=NoisyClock(base), blocks=9, max_blocks=9))
     decision = result.decisions[-1]
     assert result.fused == frozenset()
     assert decision.fused_us == pytest.approx(95.0) and decision.unfused_us == pytest.approx(100.0)
     assert decision.needed == pytest.approx(0.08, abs=1e-3) and decision.won == pytest.approx(0.05)
-    assert "5.0% faster round by round, a win of 8.0% needed" in str(decision)
+    assert "5.0% faster round by round (9 rounds), a win of 8.0% needed" in str(decision)
     # the same win on steady timings is kept
     steady = ProgramRace(timer=lambda v: base[v.fused] / 1e3, blocks=9).run(
         ["g"], lambda fused: Variant(fused, lambda: None, calling="graph"))
     assert steady.fused == frozenset({"g"})
+
+
+def test_a_win_within_the_noise_of_9_rounds_is_confirmed_by_more_rounds():
+    # the 5% win above: 27 rounds bring the bar to 8% * sqrt(9 / 27) = 4.6%, the same three standard errors
+    clock = NoisyClock({frozenset(): 100.0, frozenset({"g"}): 95.0})
+    result = _graph_race(ProgramRace(timer=clock, blocks=9))
+    decision = result.decisions[-1]
+    assert result.fused == frozenset({"g"}) and decision.rounds == 27 and clock.calls == 2 * 27
+    assert decision.needed == pytest.approx(0.08 * (9 / 27) ** 0.5, abs=1e-3) and decision.won == pytest.approx(0.05)
+    assert "5.0% faster round by round (27 rounds), a win of 4.6% needed" in str(decision)
+
+
+@pytest.mark.parametrize("fused_us, why", [
+    (100.0, "a tie"), (104.0, "a loss"),
+    (98.0, "a 2% win, under what 27 rounds could confirm (4.6%)")])
+def test_only_a_win_that_more_rounds_could_confirm_gets_them(fused_us, why):
+    clock = NoisyClock({frozenset(): 100.0, frozenset({"g"}): fused_us})
+    result = _graph_race(ProgramRace(timer=clock, blocks=9))
+    assert result.fused == frozenset() and clock.calls == 2 * 9, why
+    assert result.decisions[-1].rounds == 9
+
+
+def test_more_rounds_go_on_alternating_which_program_runs_first():
+    order: list[str] = []
+    clock = NoisyClock({frozenset(): 100.0, frozenset({"x"}): 96.0})
+
+    def timer(v: Variant) -> float:
+        order.append("a" if v.fused else "b")
+        return clock(v)
+
+    timed = ProgramRace(timer=timer, blocks=3, max_blocks=9).compare(
+        Variant(frozenset({"x"}), lambda: None, calling="graph"), Variant(frozenset(), lambda: None, calling="graph"))
+    # a 4% win, within the ratios' spread of 4% in three rounds and 8% in six or nine: timed to max_blocks
+    assert len(timed.a) == 9 and not ProgramRace(blocks=3, max_blocks=9).wins(timed, "graph")
+    assert "".join(order) == "abbaab" + "baabba" + "abbaab"  # round by round: a first, b first, ...
+
+
+def test_max_blocks_below_blocks_is_refused():
+    with pytest.raises(LoweringError, match="max_blocks=3: at least blocks=9"):
+        ProgramRace(blocks=9, max_blocks=3)
 
 
 class DriftingClock:
@@ -266,7 +322,7 @@ def test_identical_chains_are_one_group_decided_together():
     assert len([s for s in p.report.skips if "left unfused" in s.reason]) == 2
     assert p.report.stats["race_decisions"] == [
         "w=nk;bias@0;relu;out=float32 [4x16 @ 16x16, 16]: left unfused (53.0 us per call fused, 50.0 us unfused; "
-        "6.0% slower round by round, a win of 3.0% needed)"]
+        "6.0% slower round by round (3 rounds), a win of 3.0% needed)"]
 
 
 class FakeCapture:

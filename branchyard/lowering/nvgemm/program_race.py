@@ -16,7 +16,7 @@ Semantics::
     def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
         def wins(fused, unfused):              # one block of each per round, timed one after the other
             ratios = [f / u for f, u in zip(fused, unfused)]
-            needed = max(margin, spread(ratios))
+            needed = max(margin, spread(ratios) * sqrt(blocks / max(blocks, len(ratios))))
             return median(ratios) < 1 - needed
         fused = set(groups)                    # build(fused): the program with those groups fused
         if len(groups) > 1:
@@ -40,7 +40,13 @@ round because a clock that drifts from round to round (a GPU at its power
 limit, a busy host) moves both blocks of a round alike: it cancels in their
 ratio, while each program's blocks taken apart would spread with it and
 hide a real win. A smaller win is no evidence, and on a tie the program as
-it was is the safe choice. The margin is of the whole program's time: a group
+it was is the safe choice. Over ``blocks`` rounds (9) the spread is about
+three standard errors of the median ratio. A comparison whose win falls
+short of it, but would clear it with more rounds, gets more rounds,
+``blocks`` at a time up to ``max_blocks`` (27); the spread then counts as
+``spread * sqrt(blocks / rounds)``: the same three standard errors, now of
+more rounds. A win hidden by noise within the rounds is found that way,
+and a tie stays a tie. The margin is of the whole program's time: a group
 that is a small part of a long program must save several times the margin
 of its own time, so the floor is kept low where the timing is steady.
 Chains that pose the same problem (spec, shapes, dtypes) are one group: they
@@ -165,13 +171,16 @@ class RaceDecision:
     kept_fused: bool
     needed: float = math.nan
     won: float = math.nan
+    #: Rounds the comparison took (0: not timed).
+    rounds: int = 0
 
     def __str__(self) -> str:
         verdict = "fused" if self.kept_fused else "left unfused"
         parts = []
         if math.isfinite(self.won):
-            parts.append(f"{self.won:.1%} faster round by round" if self.won >= 0
-                         else f"{-self.won:.1%} slower round by round")
+            over = f" ({self.rounds} rounds)" if self.rounds else ""
+            parts.append(f"{self.won:.1%} faster round by round{over}" if self.won >= 0
+                         else f"{-self.won:.1%} slower round by round{over}")
         if not math.isnan(self.needed):
             parts.append(f"a win of {self.needed:.1%} needed")
         tail = "; " + ", ".join(parts) if parts else ""
@@ -294,7 +303,8 @@ class ProgramRace:
     """How programs are raced: ``timer(variant)`` (ms per call; default
     :func:`~.timing.host_timer` of short blocks of back-to-back calls for
     eager calling, :func:`~.timing.device_block_timer` of replays for graph
-    calling), ``blocks`` interleaved blocks per comparison, the device types
+    calling), ``blocks`` interleaved blocks per comparison (up to ``max_blocks``
+    where the first ``blocks`` leave a possible win undecided), the device types
     on which a race is worth running (``devices``; on CPU the fused op runs
     the original ATen ops, so there is nothing to win there), the ``margin``
     by which a fused variant must be faster to be kept (``None``: per
@@ -307,10 +317,14 @@ class ProgramRace:
     devices: tuple[str, ...] = ("cuda",)
     margin: float | None = None
     capture: GraphCapture | None = None
+    max_blocks: int = 27
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
             raise LoweringError(f"blocks={self.blocks!r}: a race needs at least one block", where="ProgramRace")
+        if not isinstance(self.max_blocks, int) or isinstance(self.max_blocks, bool) or self.max_blocks < self.blocks:
+            raise LoweringError(f"max_blocks={self.max_blocks!r}: at least blocks={self.blocks}",
+                                where="ProgramRace", hint="max_blocks=blocks times every comparison once")
         margin = self.margin
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                    or not 0 <= margin < 1):
@@ -322,24 +336,45 @@ class ProgramRace:
         return MARGINS[calling] if self.margin is None else float(self.margin)
 
     def needed(self, comparison: Comparison, calling: Calling = "eager") -> float:
-        """The win ``comparison`` asks for: the margin or its spread, whichever is larger."""
-        return max(self.margin_for(calling), comparison.spread)
+        """The win ``comparison`` asks for: the margin or its spread, whichever is
+        larger, the spread shrunk as the square root of the rounds beyond ``blocks``."""
+        return max(self.margin_for(calling), comparison.spread * self._shrink(len(comparison.a)))
+
+    def _shrink(self, rounds: int) -> float:
+        return math.sqrt(self.blocks / max(self.blocks, rounds))
 
     def wins(self, comparison: Comparison, calling: Calling = "eager") -> bool:
         """Whether ``comparison.a`` (fused) beats ``comparison.b`` (unfused) round by round by :meth:`needed`."""
         return comparison.ratio < 1 - self.needed(comparison, calling)
 
     def compare(self, a: Variant, b: Variant) -> Comparison:
-        """``a`` and ``b`` timed in interleaved blocks (microseconds per call, one sample per block)."""
+        """``a`` and ``b`` timed in interleaved blocks (microseconds per call, one
+        sample per block): ``blocks`` rounds, and ``blocks`` more at a time (up to
+        ``max_blocks``) while ``a`` shows a win that more rounds could confirm."""
+        timed = self._rounds(a, b, self.blocks, a_first=True)
+        while self._undecided(timed, a.calling):
+            more = self._rounds(a, b, min(self.blocks, self.max_blocks - len(timed.a)), a_first=len(timed.a) % 2 == 0)
+            timed = Comparison(timed.a + more.a, timed.b + more.b)
+        return timed
+
+    def _rounds(self, a: Variant, b: Variant, rounds: int, a_first: bool) -> Comparison:
         timer = self.timer or _default_timer
-        times = time_round_robin({"a": a, "b": b}, self.blocks, lambda _, variant: float(timer(variant)) * 1e3)
+        order = {"a": a, "b": b} if a_first else {"b": b, "a": a}  # the A/B, B/A alternation goes on
+        times = time_round_robin(order, rounds, lambda _, variant: float(timer(variant)) * 1e3)
         return Comparison(tuple(times["a"]), tuple(times["b"]))
+
+    def _undecided(self, timed: Comparison, calling: Calling) -> bool:
+        """Whether ``timed`` falls short of a win that it could still show by ``max_blocks`` rounds."""
+        if len(timed.a) >= self.max_blocks or self.wins(timed, calling):
+            return False
+        at_most = max(self.margin_for(calling), timed.spread * self._shrink(self.max_blocks))
+        return timed.ratio < 1 - at_most
 
     def decide(self, group: str, timed: Comparison, calling: Calling = "eager") -> RaceDecision:
         """``group``'s verdict from ``timed`` (``a`` fusing it, ``b`` not): whether it
         wins, the win measured and the win needed."""
         return RaceDecision(group, timed.a_us, timed.b_us, self.wins(timed, calling), self.needed(timed, calling),
-                            1 - timed.ratio)
+                            1 - timed.ratio, len(timed.a))
 
     def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
         """Race the programs ``build(fused)`` makes (see the module docstring)."""

@@ -338,10 +338,11 @@ class ProgramRace:
     def needed(self, comparison: Comparison, calling: Calling = "eager") -> float:
         """The win ``comparison`` asks for: the margin or its spread, whichever is
         larger, the spread shrunk as the square root of the rounds beyond ``blocks``."""
-        return max(self.margin_for(calling), comparison.spread * self._shrink(len(comparison.a)))
+        return self._needed_after(comparison, calling, len(comparison.a))
 
-    def _shrink(self, rounds: int) -> float:
-        return math.sqrt(self.blocks / max(self.blocks, rounds))
+    def _needed_after(self, comparison: Comparison, calling: Calling, rounds: int) -> float:
+        """The win asked for of ``comparison``'s spread measured over ``rounds`` rounds."""
+        return max(self.margin_for(calling), comparison.spread * math.sqrt(self.blocks / max(self.blocks, rounds)))
 
     def wins(self, comparison: Comparison, calling: Calling = "eager") -> bool:
         """Whether ``comparison.a`` (fused) beats ``comparison.b`` (unfused) round by round by :meth:`needed`."""
@@ -367,8 +368,7 @@ class ProgramRace:
         """Whether ``timed`` falls short of a win that it could still show by ``max_blocks`` rounds."""
         if len(timed.a) >= self.max_blocks or self.wins(timed, calling):
             return False
-        at_most = max(self.margin_for(calling), timed.spread * self._shrink(self.max_blocks))
-        return timed.ratio < 1 - at_most
+        return timed.ratio < 1 - self._needed_after(timed, calling, self.max_blocks)
 
     def decide(self, group: str, timed: Comparison, calling: Calling = "eager") -> RaceDecision:
         """``group``'s verdict from ``timed`` (``a`` fusing it, ``b`` not): whether it

@@ -219,8 +219,6 @@ def test_without_cutedsl_a_cuda_call_is_still_tuned_among_the_other_candidates(m
     """No CuTeDSL (or a GPU other than sm_90): the call is still handed to the
     tuner, which races cuBLAS(Lt), Inductor and the unfused chain; only the
     CuTeDSL candidates drop out."""
-    import warnings as w
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from branchyard.lowering.nvgemm import candidates as cands_mod
@@ -231,8 +229,8 @@ def test_without_cutedsl_a_cuda_call_is_still_tuned_among_the_other_candidates(m
     monkeypatch.setattr(kernel_config, "cutedsl_available", lambda: missing)
     monkeypatch.setattr(cands_mod, "cutedsl_available", lambda: missing)
     spec = EpilogueSpec.parse("w=kn;bias@0;relu;out=bfloat16")
-    with FakeTensorMode(), w.catch_warnings():  # CUDA tensors without a GPU (no storage: pointers read 0)
-        w.simplefilter("ignore", UserWarning)
+    with FakeTensorMode(), warnings.catch_warnings():  # CUDA tensors without a GPU (no storage: pointers read 0)
+        warnings.simplefilter("ignore", UserWarning)
         a, b = torch.empty(16, 64, device="cuda", dtype=torch.bfloat16), torch.empty(64, 32, device="cuda",
                                                                                    dtype=torch.bfloat16)
         bias = torch.empty(32, device="cuda", dtype=torch.bfloat16)

@@ -23,7 +23,7 @@ from branchyard.lowering.nvgemm import tuner as nv_tuner
 from branchyard.lowering.nvgemm import winners as nv_winners
 from branchyard.lowering.nvgemm.fuse import NvGemmPass, nvgemm
 from branchyard.lowering.nvgemm.program_race import capture_replay
-from branchyard.lowering.nvgemm.timing import device_block_timer, time_round_robin, timing_mode
+from branchyard.lowering.nvgemm.timing import device_block_timer, device_interleaved_timer, time_round_robin, timing_mode
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 #: How much slower than the unrewritten program the result may measure (timing noise).
@@ -198,3 +198,14 @@ def test_a_graph_program_with_work_on_the_cpu_is_fused_without_a_race(fresh_tune
         assert p.report.stats["race"].endswith("computes on the cpu, which a CUDA graph does not replay")
         assert p.report.stats["fused"] == 2
         torch.testing.assert_close(out.module()(x)[0], block(x)[0], rtol=3e-2, atol=3e-2)
+
+
+def test_interleaved_device_timing_measures_a_known_ratio_of_replays():
+    # The graph race's timer: two captured programs, one doing the other's matmul twice, replayed
+    # call by call in turn; their ratio is 2 whatever the clock does between calls.
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    once = capture_replay(lambda t: t @ t, (a,))
+    twice = capture_replay(lambda t: (t @ t, t @ t), (a,))
+    ms_once, ms_twice = device_interleaved_timer([once, twice], reps=30)
+    assert 1.8 < ms_twice / ms_once < 2.2, (ms_once, ms_twice)
+    assert ms_once > 0.005  # a 17 GFLOP matmul takes tens of microseconds, not the events' overhead

@@ -329,6 +329,41 @@ def test_compare_interleaves_the_two_programs_and_takes_medians():
     assert (a_us, b_us) == (pytest.approx(13.5), pytest.approx(3.5))
 
 
+def test_graph_replays_are_timed_interleaved_in_each_round_and_eager_calls_in_turn(monkeypatch):
+    calls: list[tuple[str, ...]] = []
+    runs = {"a": lambda: None, "b": lambda: None}
+    names = {id(f): n for n, f in runs.items()}
+
+    def interleaved(fns, **kw):  # a 10 us, b 12 us, whichever goes first
+        calls.append(tuple(names[id(f)] for f in fns))
+        return [0.010 if names[id(f)] == "a" else 0.012 for f in fns]
+
+    monkeypatch.setattr(race_mod, "device_interleaved_timer", interleaved)
+    monkeypatch.setattr(race_mod, "host_timer", lambda fn, **kw: calls.append(("host", names[id(fn)])) or 0.02)
+    a = Variant(frozenset({"x"}), runs["a"], calling="graph")
+    b = Variant(frozenset(), runs["b"], calling="graph")
+    timed = ProgramRace(blocks=4).compare(a, b)
+    assert calls == [("a", "b"), ("b", "a")] * 2  # one interleaved window per round, first place alternating
+    assert timed.a == (10.0,) * 4 and timed.b == (12.0,) * 4
+    calls.clear()
+    eager = ProgramRace(blocks=2).compare(Variant(a.fused, runs["a"]), Variant(b.fused, runs["b"]))
+    assert calls == [("host", "a"), ("host", "b"), ("host", "b"), ("host", "a")] and eager.ratio == 1.0
+
+
+def test_a_given_pair_timer_times_every_round_and_a_given_timer_replaces_the_interleaving():
+    seen: list[str] = []
+
+    def pair(first: Variant, second: Variant) -> tuple[float, float]:
+        seen.append(first.name)
+        return (len(first.fused) + 1) / 1e3, (len(second.fused) + 1) / 1e3
+
+    a, b = Variant(frozenset({"x"}), lambda: None, calling="graph"), Variant(frozenset(), lambda: None, calling="graph")
+    timed = ProgramRace(pair_timer=pair, blocks=3).compare(a, b)
+    assert seen == ["fusing x", "unrewritten", "fusing x"] and timed.a == (2.0,) * 3 and timed.b == (1.0,) * 3
+    per_variant = ProgramRace(timer=lambda v: (len(v.fused) + 3) / 1e3, blocks=2).compare(a, b)
+    assert per_variant.a == (4.0,) * 2 and per_variant.b == (3.0,) * 2
+
+
 def test_identical_chains_are_one_group_decided_together():
     class Twice(nn.Module):
         def __init__(self):

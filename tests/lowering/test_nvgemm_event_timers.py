@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm import timing
 
 
@@ -103,3 +104,50 @@ def test_a_host_slower_than_the_hold_times_again_with_a_longer_hold(gpu, timer):
     getattr(timing, timer)(slows_down, warmup=1, reps=5)
     assert len(gpu.holds) == 3, gpu.holds  # the probe's, the first block's, and the longer one's
     assert gpu.holds[2] > 2 * 5 * 0.004 > gpu.holds[1]
+
+
+class DriftingWork:
+    """Functions on the fake GPU whose calls take ``ms * (1 + drift * calls so far)``:
+    a clock that slows call by call, as a GPU at its power limit does."""
+
+    def __init__(self, gpu: FakeGpu, drift: float):
+        self.gpu, self.drift, self.calls = gpu, drift, 0
+
+    def fn(self, name: str, ms: float):
+        def call() -> None:
+            self.gpu.now_ms += ms * (1 + self.drift * self.calls)
+            self.calls += 1
+            self.gpu.log.append(name)
+        return call
+
+
+def test_the_interleaved_timer_alternates_the_order_turn_by_turn(gpu):
+    work = DriftingWork(gpu, drift=0.0)
+    ms = timing.device_interleaved_timer([work.fn("a", 0.5), work.fn("b", 0.25)], warmup=1, reps=6, max_ms=1000.0)
+    assert ms == [pytest.approx(0.5), pytest.approx(0.25)]
+    # each function's warm-up, issue probe and device probe, then six turns: a b, b a, ...
+    assert gpu.log == ["a"] * 3 + ["b"] * 3 + ["a", "b", "b", "a"] * 3
+    assert len(gpu.holds) == 3 and gpu.holds[2] > gpu.holds[0]  # two probes' holds, then one for all the turns
+
+
+def test_the_interleaved_timer_caps_turns_by_the_time_of_all_functions(gpu):
+    work = DriftingWork(gpu, drift=0.0)
+    timing.device_interleaved_timer([work.fn("a", 3.0), work.fn("b", 5.0)], warmup=0, reps=50, max_ms=80.0)
+    assert gpu.log.count("a") == 2 + 10 and gpu.log.count("b") == 2 + 10  # two probes each, then 80 ms / 8 ms turns
+
+
+def test_a_clock_drifting_within_a_round_cancels_in_interleaved_calls_not_in_blocks(gpu):
+    # a is 3% faster than b; the clock slows by 0.5% per call
+    work = DriftingWork(gpu, drift=0.005)
+    a, b = work.fn("a", 0.97), work.fn("b", 1.0)
+    ms_a, ms_b = timing.device_interleaved_timer([a, b], warmup=0, reps=20, max_ms=1000.0)
+    assert ms_a / ms_b == pytest.approx(0.97, abs=0.002)
+    work.calls = 0
+    block_a = timing.device_block_timer(a, warmup=0, reps=20, max_ms=1000.0)
+    block_b = timing.device_block_timer(b, warmup=0, reps=20, max_ms=1000.0)
+    assert block_a / block_b < 0.90  # one block after the other: b's ran on a slower clock
+
+
+def test_the_interleaved_timer_needs_a_function(gpu):
+    with pytest.raises(LoweringError, match="at least one function"):
+        timing.device_interleaved_timer([])

@@ -14,7 +14,7 @@ So the pass races the programs themselves and keeps only what wins.
 Semantics::
 
     def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
-        def wins(fused, unfused):              # one block of each per round, timed one after the other
+        def wins(fused, unfused):              # one time of each per round, taken side by side
             ratios = [f / u for f, u in zip(fused, unfused)]
             needed = max(margin, spread(ratios) * sqrt(blocks / max(blocks, len(ratios))))
             return median(ratios) < 1 - needed
@@ -30,8 +30,9 @@ Semantics::
                 fused = set()                  # the rewrite lost: the program as it was
         return fused
 
-``compare(a, b)`` times the two programs in rounds of one block each (A/B,
-then B/A, ...). A fused variant must win by what the timing can tell apart:
+``compare(a, b)`` times the two programs in rounds (A/B, then B/A, ...):
+a block of calls of each, or, for graph replays, the replays of both
+interleaved one by one. A fused variant must win by what the timing can tell apart:
 the ``margin`` (a fraction of the unfused time; by default 3% for eager
 calls, whose host time is noisy, and 1% for graph replays, timed on the
 device alone) or the ``spread`` of the round-by-round ratios (interquartile
@@ -65,8 +66,11 @@ The programs are timed the way their caller runs them, under
   faster.
 * ``calling="graph"``: each program warmed up under ``timing_mode("device")``
   (the fused ops tune for replays), captured into a CUDA graph of one call
-  (``ProgramRace.capture``, default :func:`capture_replay`), and its replays
-  timed back to back on the device alone (:func:`~.timing.device_block_timer`).
+  (``ProgramRace.capture``, default :func:`capture_replay`), and the two
+  programs' replays timed on the device alone, interleaved replay by replay
+  within each round (:func:`~.timing.device_interleaved_timer`): a GPU at its
+  power limit moves its clock within milliseconds, which whole blocks timed
+  one after the other see differently, while two adjacent replays see alike.
   A program that has control flow, reads a GPU value on the host or computes
   on the CPU is not captured here (the pass says why, and fuses as it would
   without a race); a fused program that fails to capture is not kept.
@@ -99,7 +103,12 @@ from torch.fx import GraphModule
 
 from branchyard.errors import LoweringError
 from branchyard.fx.graph_walk import resolve_attr
-from branchyard.lowering.nvgemm.timing import device_block_timer, host_timer, time_round_robin, timing_mode
+from branchyard.lowering.nvgemm.timing import (
+    device_interleaved_timer,
+    host_timer,
+    time_round_robin,
+    timing_mode,
+)
 
 __all__ = [
     "CALLINGS",
@@ -107,6 +116,7 @@ __all__ = [
     "Comparison",
     "GraphCapture",
     "MARGINS",
+    "PairTimer",
     "ProgramRace",
     "RaceDecision",
     "RaceResult",
@@ -265,9 +275,16 @@ VariantTimer = Callable[[Variant], float]
 
 
 def _default_timer(variant: Variant) -> float:
-    if variant.calling == "graph":
-        return device_block_timer(variant.run, warmup=1, reps=50, max_ms=20.0)
     return host_timer(variant.run, warmup=1, reps=30, max_ms=30.0)
+
+
+#: ``pair_timer(a, b) -> (ms_a, ms_b)``: one round of both variants, milliseconds per call of each.
+PairTimer = Callable[[Variant, Variant], tuple[float, float]]
+
+
+def _interleaved_pair_timer(a: Variant, b: Variant) -> tuple[float, float]:
+    ms_a, ms_b = device_interleaved_timer([a.run, b.run], warmup=1, reps=50, max_ms=40.0)
+    return ms_a, ms_b
 
 
 #: ``capture(program, inputs) -> replay``: ``program(*inputs)`` captured into a
@@ -300,10 +317,12 @@ def capture_replay(program: Callable[..., Any], inputs: Sequence[Any]) -> Callab
 
 @dataclass(frozen=True)
 class ProgramRace:
-    """How programs are raced: ``timer(variant)`` (ms per call; default
+    """How programs are raced: ``pair_timer(a, b)`` (one round of two
+    variants: ms per call of each) or ``timer(variant)`` (ms per call of one,
+    the variants timed in turn), by default
     :func:`~.timing.host_timer` of short blocks of back-to-back calls for
-    eager calling, :func:`~.timing.device_block_timer` of replays for graph
-    calling), ``blocks`` interleaved blocks per comparison (up to ``max_blocks``
+    eager calling and :func:`~.timing.device_interleaved_timer` of the two
+    programs' replays for graph calling; ``blocks`` rounds per comparison (up to ``max_blocks``
     where the first ``blocks`` leave a possible win undecided), the device types
     on which a race is worth running (``devices``; on CPU the fused op runs
     the original ATen ops, so there is nothing to win there), the ``margin``
@@ -318,6 +337,7 @@ class ProgramRace:
     margin: float | None = None
     capture: GraphCapture | None = None
     max_blocks: int = 27
+    pair_timer: PairTimer | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
@@ -349,7 +369,7 @@ class ProgramRace:
         return comparison.ratio < 1 - self.needed(comparison, calling)
 
     def compare(self, a: Variant, b: Variant) -> Comparison:
-        """``a`` and ``b`` timed in interleaved blocks (microseconds per call, one
+        """``a`` and ``b`` timed in interleaved rounds (microseconds per call, one
         sample per block): ``blocks`` rounds, and ``blocks`` more at a time (up to
         ``max_blocks``) while ``a`` shows a win that more rounds could confirm."""
         timed = self._rounds(a, b, self.blocks, a_first=True)
@@ -359,6 +379,14 @@ class ProgramRace:
         return timed
 
     def _rounds(self, a: Variant, b: Variant, rounds: int, a_first: bool) -> Comparison:
+        pair = self.pair_timer or (_interleaved_pair_timer if self.timer is None and a.calling == "graph" else None)
+        if pair is not None:
+            times_a, times_b = [], []
+            for r in range(rounds):  # who goes first alternates from round to round
+                ms_a, ms_b = pair(a, b) if a_first == (r % 2 == 0) else pair(b, a)[::-1]
+                times_a.append(float(ms_a) * 1e3)
+                times_b.append(float(ms_b) * 1e3)
+            return Comparison(tuple(times_a), tuple(times_b))
         timer = self.timer or _default_timer
         order = {"a": a, "b": b} if a_first else {"b": b, "a": a}  # the A/B, B/A alternation goes on
         times = time_round_robin(order, rounds, lambda _, variant: float(timer(variant)) * 1e3)

@@ -20,9 +20,10 @@ Blocks, built here with the widths of widely used models (bfloat16, random weigh
 
 at M (tokens) in {1, 16, 64, 512, 2048, 8192}.
 
-Columns (microseconds per call, median of ``--repeats`` blocks of ``--iters``
+Columns (microseconds per call, median of ``--repeats`` rounds of ``--iters``
 calls between CUDA events, no L2 flush: a model calls its blocks back to back;
-the columns' blocks alternate, so host noise hits all of them alike; with
+eager columns run a block each per round, in turn; graph columns' replays are
+interleaved one by one within a round, timed on the device alone; with
 ``--cold-l2`` each graph replay follows an L2 flush and is timed alone, as
 in a model whose weights do not fit the L2, and as the tuner times):
 
@@ -54,7 +55,8 @@ where a stored winner was used).
 
 Targets printed per row and summarised: ``rewritten >= 1.00x unrewritten``
 eager and in the graph, ``rewritten >= 0.98x compile`` in the graph (ratios
-are time_other / time_rewritten; >= 1 means the rewrite is at least as fast).
+are time_other / time_rewritten, the median over the rounds of the two
+columns' ratio within a round; >= 1 means the rewrite is at least as fast).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from branchyard.lowering.nvgemm.timing import time_round_robin
+from branchyard.lowering.nvgemm.timing import device_interleaved_timer, time_round_robin
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_graph_replay import graph_replay  # noqa: E402
@@ -164,13 +166,18 @@ def _check(name: str, got, want, dtype: torch.dtype) -> None:
             raise AssertionError(f"{name}: output off the eager block by {err:.3g} (relative to its max)")
 
 
-def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict[str, float]]:
-    """Time several callables side by side: each repeat runs a block of ``iters``
-    calls of every one in turn (in an order that rotates between repeats:
-    :func:`~branchyard.lowering.nvgemm.timing.time_round_robin`), so all see
-    the same host and GPU conditions;
-    the result is each one's median over the repeats (microseconds per call).
+def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict[str, list[float]]]:
+    """Time several callables side by side, ``repeats`` rounds: each round runs
+    a block of ``iters`` calls of every one in turn (in an order that rotates
+    between rounds: :func:`~branchyard.lowering.nvgemm.timing.time_round_robin`),
+    so all see the same host and GPU conditions; the result is each one's
+    microseconds per call, round by round.
 
+    ``time_us(fns, interleave=True)`` (CUDA graph replays) runs each round's
+    calls interleaved instead, one of each in turn, device time only
+    (:func:`~branchyard.lowering.nvgemm.timing.device_interleaved_timer`):
+    a GPU at its power limit moves its clock within milliseconds, so even
+    adjacent blocks see different clocks, while adjacent calls see one.
     ``time_us(fns, flush=f)`` calls ``f`` before every call and times each
     call alone, so the flush is not counted (``--cold-l2``)."""
     def span_us(run: Callable[[], object]) -> float:
@@ -195,10 +202,18 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict
             total += span_us(fn)
         return total / iters
 
-    def time_us(fns: dict[str, Callable[[], object]], flush: Callable[[], object] | None = None) -> dict[str, float]:
+    def time_us(fns: dict[str, Callable[[], object]], flush: Callable[[], object] | None = None,
+                interleave: bool = False) -> dict[str, list[float]]:
+        if interleave and flush is None and device.type == "cuda":
+            names, samples = list(fns), {name: [] for name in fns}
+            for r in range(repeats):  # the order rotates from round to round
+                order = names[r % len(names):] + names[:r % len(names)]
+                ms = device_interleaved_timer([fns[n] for n in order], warmup=1, reps=iters, max_ms=1e9)
+                for name, t in zip(order, ms):
+                    samples[name].append(t * 1e3)
+            return samples
         # the order rotates from repeat to repeat, so no column always runs first or after the same one
-        samples = time_round_robin(fns, repeats, lambda _, fn: block_us(fn, flush))
-        return {name: statistics.median(v) for name, v in samples.items()}
+        return time_round_robin(fns, repeats, lambda _, fn: block_us(fn, flush))
 
     return time_us
 
@@ -240,8 +255,11 @@ def run_row(spec: BlockSpec, m: int, *, device: torch.device, dtype: torch.dtype
                 with nvgemm.timing_mode("device"):
                     _check(f"{spec.name} M={m} {name} (for the graph)", in_graph(), want, dtype)
                     graphs[f"{name}_graph"] = graph_replay(in_graph)
-        row.update(time_us(eager))
-        row.update(time_us(graphs, flush=nvgemm.timing.L2Flush(device) if cold_l2 and graphs else None))
+        rounds = time_us(eager)
+        rounds.update(time_us(graphs, flush=nvgemm.timing.L2Flush(device) if cold_l2 and graphs else None,
+                              interleave=True))
+        row.update({name: statistics.median(v) for name, v in rounds.items()})
+        row["rounds"] = rounds
     tuned = {k: r for k, r in get_autotuner().results.items() if k not in tuned_before}
     row["explain"] = "\n".join(
         [f"eager rewrite: {eager_report}", f"graph rewrite: {graph_report}"]
@@ -268,11 +286,18 @@ def fused_ops(program, unrewritten=None) -> str:
 
 
 def ratios(row: dict) -> dict[str, float | None]:
-    """Each target's ratio (``None`` when a column is missing)."""
+    """Each target's ratio (``None`` when a column is missing): the median of
+    its round-by-round ratios where the row has them (both columns of a round
+    ran side by side, so a clock drifting between rounds cancels), else the
+    ratio of the columns."""
     out = {}
+    rounds = row.get("rounds", {})
     for name, num, den, _ in TARGETS:
         a, b = row.get(num), row.get(den)
-        out[name] = (a / b) if isinstance(a, float) and isinstance(b, float) and b > 0 else None
+        if num in rounds and den in rounds:
+            out[name] = statistics.median(x / y for x, y in zip(rounds[num], rounds[den]))
+        else:
+            out[name] = (a / b) if isinstance(a, float) and isinstance(b, float) and b > 0 else None
     return out
 
 

@@ -23,7 +23,8 @@ at M (tokens) in {1, 16, 64, 512, 2048, 8192}.
 Columns (microseconds per call, median of ``--repeats`` rounds of ``--iters``
 calls between CUDA events, no L2 flush: a model calls its blocks back to back;
 eager columns run a block each per round, in turn; graph columns' replays are
-interleaved one by one within a round, timed on the device alone; with
+interleaved within a round (one replay, or about 1 ms of replays of a short
+program, of each in turn), timed on the device alone; with
 ``--cold-l2`` each graph replay follows an L2 flush and is timed alone, as
 in a model whose weights do not fit the L2, and as the tuner times):
 
@@ -174,10 +175,11 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict
     microseconds per call, round by round.
 
     ``time_us(fns, interleave=True)`` (CUDA graph replays) runs each round's
-    calls interleaved instead, one of each in turn, device time only
+    calls interleaved instead, one call (or about 1 ms of calls of a short
+    program) of each in turn, device time only
     (:func:`~branchyard.lowering.nvgemm.timing.device_interleaved_timer`):
     a GPU at its power limit moves its clock within milliseconds, so even
-    adjacent blocks see different clocks, while adjacent calls see one.
+    adjacent 100 ms blocks see different clocks, while adjacent turns see one.
     ``time_us(fns, flush=f)`` calls ``f`` before every call and times each
     call alone, so the flush is not counted (``--cold-l2``)."""
     def span_us(run: Callable[[], object]) -> float:

@@ -202,10 +202,15 @@ def test_a_graph_program_with_work_on_the_cpu_is_fused_without_a_race(fresh_tune
 
 def test_interleaved_device_timing_measures_a_known_ratio_of_replays():
     # The graph race's timer: two captured programs, one doing the other's matmul twice, replayed
-    # call by call in turn; their ratio is 2 whatever the clock does between calls.
+    # in turn; their ratio is 2 whatever the clock does between turns.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("device timing needs the GPU to itself: run serially")
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     once = capture_replay(lambda t: t @ t, (a,))
     twice = capture_replay(lambda t: (t @ t, t @ t), (a,))
-    ms_once, ms_twice = device_interleaved_timer([once, twice], reps=30)
-    assert 1.8 < ms_twice / ms_once < 2.2, (ms_once, ms_twice)
-    assert ms_once > 0.005  # a 17 GFLOP matmul takes tens of microseconds, not the events' overhead
+    for group_ms in (0.0, 1.0):  # one replay per turn, and ~1 ms of replays back to back
+        windows = [device_interleaved_timer([once, twice], reps=30, group_ms=group_ms) for _ in range(5)]
+        ratio = statistics.median(t / o for o, t in windows)
+        assert 1.8 < ratio < 2.2, (group_ms, windows)
+        # a 17 GFLOP matmul takes tens of microseconds, well over the events' own cost
+        assert statistics.median(o for o, _ in windows) > 0.005, windows

@@ -123,16 +123,27 @@ class DriftingWork:
 
 def test_the_interleaved_timer_alternates_the_order_turn_by_turn(gpu):
     work = DriftingWork(gpu, drift=0.0)
-    ms = timing.device_interleaved_timer([work.fn("a", 0.5), work.fn("b", 0.25)], warmup=1, reps=6, max_ms=1000.0)
+    ms = timing.device_interleaved_timer([work.fn("a", 0.5), work.fn("b", 0.25)], warmup=1, reps=6,
+                                         max_ms=1000.0, group_ms=0.0)
     assert ms == [pytest.approx(0.5), pytest.approx(0.25)]
     # each function's warm-up, issue probe and device probe, then six turns: a b, b a, ...
     assert gpu.log == ["a"] * 3 + ["b"] * 3 + ["a", "b", "b", "a"] * 3
     assert len(gpu.holds) == 3 and gpu.holds[2] > gpu.holds[0]  # two probes' holds, then one for all the turns
 
 
+def test_short_programs_run_in_groups_of_about_group_ms_back_to_back(gpu):
+    work = DriftingWork(gpu, drift=0.0)
+    ms = timing.device_interleaved_timer([work.fn("a", 0.5), work.fn("b", 0.25)], warmup=1, reps=6,
+                                         max_ms=1000.0, group_ms=1.0)
+    assert ms == [pytest.approx(0.5), pytest.approx(0.25)]  # per call, not per group
+    turns = gpu.log[6:]
+    assert turns == (["a"] * 2 + ["b"] * 4 + ["b"] * 4 + ["a"] * 2) * 3  # 1 ms of each in turn
+
+
 def test_the_interleaved_timer_caps_turns_by_the_time_of_all_functions(gpu):
     work = DriftingWork(gpu, drift=0.0)
-    timing.device_interleaved_timer([work.fn("a", 3.0), work.fn("b", 5.0)], warmup=0, reps=50, max_ms=80.0)
+    timing.device_interleaved_timer([work.fn("a", 3.0), work.fn("b", 5.0)], warmup=0, reps=50, max_ms=80.0,
+                                    group_ms=1.0)  # one call per group: each takes longer than a group
     assert gpu.log.count("a") == 2 + 10 and gpu.log.count("b") == 2 + 10  # two probes each, then 80 ms / 8 ms turns
 
 
@@ -140,7 +151,7 @@ def test_a_clock_drifting_within_a_round_cancels_in_interleaved_calls_not_in_blo
     # a is 3% faster than b; the clock slows by 0.5% per call
     work = DriftingWork(gpu, drift=0.005)
     a, b = work.fn("a", 0.97), work.fn("b", 1.0)
-    ms_a, ms_b = timing.device_interleaved_timer([a, b], warmup=0, reps=20, max_ms=1000.0)
+    ms_a, ms_b = timing.device_interleaved_timer([a, b], warmup=0, reps=20, max_ms=1000.0, group_ms=0.0)
     assert ms_a / ms_b == pytest.approx(0.97, abs=0.002)
     work.calls = 0
     block_a = timing.device_block_timer(a, warmup=0, reps=20, max_ms=1000.0)

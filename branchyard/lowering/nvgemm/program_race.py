@@ -32,7 +32,7 @@ Semantics::
 
 ``compare(a, b)`` times the two programs in rounds (A/B, then B/A, ...):
 a block of calls of each, or, for graph replays, the replays of both
-interleaved one by one. A fused variant must win by what the timing can tell apart:
+interleaved (one replay, or about 1 ms of them, at a time). A fused variant must win by what the timing can tell apart:
 the ``margin`` (a fraction of the unfused time; by default 3% for eager
 calls, whose host time is noisy, and 1% for graph replays, timed on the
 device alone) or the ``spread`` of the round-by-round ratios (interquartile
@@ -67,10 +67,11 @@ The programs are timed the way their caller runs them, under
 * ``calling="graph"``: each program warmed up under ``timing_mode("device")``
   (the fused ops tune for replays), captured into a CUDA graph of one call
   (``ProgramRace.capture``, default :func:`capture_replay`), and the two
-  programs' replays timed on the device alone, interleaved replay by replay
-  within each round (:func:`~.timing.device_interleaved_timer`): a GPU at its
-  power limit moves its clock within milliseconds, which whole blocks timed
-  one after the other see differently, while two adjacent replays see alike.
+  programs' replays timed on the device alone, interleaved within each round
+  one replay (or about a millisecond of back-to-back replays of a short
+  program) at a time (:func:`~.timing.device_interleaved_timer`): a GPU at
+  its power limit moves its clock within milliseconds, which whole blocks
+  timed one after the other see differently, while adjacent turns see alike.
   A program that has control flow, reads a GPU value on the host or computes
   on the CPU is not captured here (the pass says why, and fuses as it would
   without a race); a fused program that fails to capture is not kept.

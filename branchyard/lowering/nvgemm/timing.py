@@ -201,26 +201,29 @@ def device_block_timer(
 
 def device_interleaved_timer(
     fns: Sequence[Callable[[], Any]], *, warmup: int = 1, reps: int = 50, max_ms: float = 40.0,
-    hold: Callable[[float], None] | None = None,
+    group_ms: float = 1.0, hold: Callable[[float], None] | None = None,
 ) -> list[float]:
     """Milliseconds per call of each of ``fns``, device time only, their calls
-    interleaved: ``reps`` turns, each calling every function once (the order
-    reversed every other turn: A B, B A, A B, ... for two), an event recorded
-    between consecutive calls, all enqueued behind one hold as in
-    :func:`device_block_timer`. Two programs timed so see the same clock call
-    by call: a GPU at its power limit moves its clock within milliseconds,
-    which two blocks timed one after the other see differently (it shows as a
-    spread of their ratio that hides a win of a few percent). ``reps`` shrinks
-    so the turns take about ``max_ms``. No L2 flush: each call sees what the
-    call before it left, as in a program that runs them back to back.
+    interleaved: ``reps`` turns, each running a group of back-to-back calls of
+    every function (the order reversed every other turn: A B, B A, A B, ...
+    for two), an event recorded between groups, all enqueued behind one hold
+    as in :func:`device_block_timer`. A group is one call, or as many as take
+    about ``group_ms``: a GPU at its power limit moves its clock within
+    milliseconds, which two blocks timed one after the other see differently
+    (a spread of their ratio that hides a win of a few percent), while two
+    adjacent groups see one clock; and a short program keeps being timed as it
+    runs when replayed again and again, back to back with itself. ``reps``
+    shrinks so the turns take about ``max_ms``. No L2 flush.
     """
     if not fns:
         raise LoweringError("device_interleaved_timer needs at least one function to time",
                             where="nvgemm.timing")
     hold = hold if hold is not None else _hold_gpu
     probes = [_probe(fn, warmup, hold) for fn in fns]
-    issue, once = sum(p[0] for p in probes), sum(p[1] for p in probes)
-    reps = max(5, min(reps, int(max_ms / once)))
+    group = [max(1, int(group_ms / once)) for _, once in probes]
+    issue = sum(k * p[0] for k, p in zip(group, probes))
+    turn_ms = sum(k * p[1] for k, p in zip(group, probes))
+    reps = max(5, min(reps, int(max_ms / turn_ms)))
     order = [list(range(len(fns))) if t % 2 == 0 else list(reversed(range(len(fns)))) for t in range(reps)]
     slots = [j for turn in order for j in turn]  # which function each interval between events timed
     events = [torch.cuda.Event(enable_timing=True) for _ in range(len(slots) + 1)]
@@ -228,14 +231,15 @@ def device_interleaved_timer(
     def enqueue() -> None:
         events[0].record()
         for i, j in enumerate(slots):
-            fns[j]()
+            for _ in range(group[j]):
+                fns[j]()
             events[i + 1].record()
 
     _enqueue_held(enqueue, 2 * reps * issue + 1e-3, hold)
     totals = [0.0] * len(fns)
     for i, j in enumerate(slots):
         totals[j] += events[i].elapsed_time(events[i + 1])
-    return [total / reps for total in totals]
+    return [total / (reps * k) for total, k in zip(totals, group)]
 
 
 def host_timer(

@@ -140,6 +140,13 @@ def test_short_programs_run_in_groups_of_about_group_ms_back_to_back(gpu):
     assert turns == (["a"] * 2 + ["b"] * 4 + ["b"] * 4 + ["a"] * 2) * 3  # 1 ms of each in turn
 
 
+def test_a_group_of_very_short_calls_is_capped(gpu):
+    work = DriftingWork(gpu, drift=0.0)
+    ms = timing.device_interleaved_timer([work.fn("a", 1e-5)], warmup=0, reps=5, max_ms=1000.0, group_ms=1.0)
+    assert ms == [pytest.approx(1e-5)]
+    assert gpu.log.count("a") == 2 + 5 * 256  # two probes, then five turns of 256 calls, not of 1000
+
+
 def test_the_interleaved_timer_caps_turns_by_the_time_of_all_functions(gpu):
     work = DriftingWork(gpu, drift=0.0)
     timing.device_interleaved_timer([work.fn("a", 3.0), work.fn("b", 5.0)], warmup=0, reps=50, max_ms=80.0,

@@ -199,6 +199,11 @@ def device_block_timer(
     return start.elapsed_time(end) / reps
 
 
+#: The most back-to-back calls in one group of :func:`device_interleaved_timer`: a call of a
+#: few microseconds fills ~1 ms by then, and the host's enqueueing stays within one hold.
+_MAX_GROUP = 256
+
+
 def device_interleaved_timer(
     fns: Sequence[Callable[[], Any]], *, warmup: int = 1, reps: int = 50, max_ms: float = 40.0,
     group_ms: float = 1.0, hold: Callable[[float], None] | None = None,
@@ -212,7 +217,8 @@ def device_interleaved_timer(
     milliseconds, which two blocks timed one after the other see differently
     (a spread of their ratio that hides a win of a few percent), while two
     adjacent groups see one clock; and a short program keeps being timed as it
-    runs when replayed again and again, back to back with itself. ``reps``
+    runs when replayed again and again, back to back with itself (at most
+    256 calls to a group). ``reps``
     shrinks so the turns take about ``max_ms``. No L2 flush.
     """
     if not fns:
@@ -220,7 +226,7 @@ def device_interleaved_timer(
                             where="nvgemm.timing")
     hold = hold if hold is not None else _hold_gpu
     probes = [_probe(fn, warmup, hold) for fn in fns]
-    group = [max(1, int(group_ms / once)) for _, once in probes]
+    group = [min(_MAX_GROUP, max(1, int(group_ms / once))) for _, once in probes]
     issue = sum(k * p[0] for k, p in zip(group, probes))
     turn_ms = sum(k * p[1] for k, p in zip(group, probes))
     reps = max(5, min(reps, int(max_ms / turn_ms)))

@@ -32,10 +32,10 @@ Semantics::
 
 ``compare(a, b)`` times the two programs in rounds (A/B, then B/A, ...):
 a block of calls of each, or, for graph replays, the replays of both
-interleaved (one replay, or about 1 ms of them, at a time). A fused variant must win by what the timing can tell apart:
-the ``margin`` (a fraction of the unfused time; by default 3% for eager
-calls, whose host time is noisy, and 1% for graph replays, timed on the
-device alone) or the ``spread`` of the round-by-round ratios (interquartile
+interleaved (one replay, or about 1 ms of them, at a time). A fused variant
+must win by what the timing can tell apart: the ``margin`` (a fraction of
+the unfused time; by default 3% for eager calls, whose host time is noisy,
+and 1% for graph replays, timed on the device alone) or the ``spread`` of the round-by-round ratios (interquartile
 range over median), whichever is larger. The ratios are taken within a
 round because a clock that drifts from round to round (a GPU at its power
 limit, a busy host) moves both blocks of a round alike: it cancels in their
@@ -323,8 +323,8 @@ class ProgramRace:
     the variants timed in turn), by default
     :func:`~.timing.host_timer` of short blocks of back-to-back calls for
     eager calling and :func:`~.timing.device_interleaved_timer` of the two
-    programs' replays for graph calling; ``blocks`` rounds per comparison (up to ``max_blocks``
-    where the first ``blocks`` leave a possible win undecided), the device types
+    programs' replays for graph calling; ``blocks`` rounds per comparison
+    (up to ``max_blocks`` where the first ``blocks`` leave a possible win undecided), the device types
     on which a race is worth running (``devices``; on CPU the fused op runs
     the original ATen ops, so there is nothing to win there), the ``margin``
     by which a fused variant must be faster to be kept (``None``: per
@@ -371,7 +371,7 @@ class ProgramRace:
 
     def compare(self, a: Variant, b: Variant) -> Comparison:
         """``a`` and ``b`` timed in interleaved rounds (microseconds per call, one
-        sample per block): ``blocks`` rounds, and ``blocks`` more at a time (up to
+        sample per round): ``blocks`` rounds, and ``blocks`` more at a time (up to
         ``max_blocks``) while ``a`` shows a win that more rounds could confirm."""
         timed = self._rounds(a, b, self.blocks, a_first=True)
         while self._undecided(timed, a.calling):

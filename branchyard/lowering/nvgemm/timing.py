@@ -218,8 +218,8 @@ def device_interleaved_timer(
     (a spread of their ratio that hides a win of a few percent), while two
     adjacent groups see one clock; and a short program keeps being timed as it
     runs when replayed again and again, back to back with itself (at most
-    256 calls to a group). ``reps``
-    shrinks so the turns take about ``max_ms``. No L2 flush.
+    256 calls to a group). ``reps`` shrinks so the turns take about
+    ``max_ms``. No L2 flush.
     """
     if not fns:
         raise LoweringError("device_interleaved_timer needs at least one function to time",

@@ -1,17 +1,40 @@
 """What the NVGEMM GPU tests share: whether CuTeDSL can run here, and the mark for tests that need it."""
 
+import os
+import statistics
+
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
 if CUDA:
     from branchyard.lowering.nvgemm.kernel_config import GemmConfig, cutedsl_available
+    from branchyard.lowering.nvgemm.timing import device_interleaved_timer
 
     CUTEDSL_OK, CUTEDSL_WHY = cutedsl_available()
 else:
     GemmConfig = None
     CUTEDSL_OK, CUTEDSL_WHY = False, "no CUDA device"
 needs_cutedsl = pytest.mark.skipif(not CUTEDSL_OK, reason=f"CuTeDSL unavailable: {CUTEDSL_WHY}")
+
+
+def gpu_shared() -> str | None:
+    """Why this run's timings measure other runs' load too (``None``: the GPU
+    and the host are this run's): an xdist worker, or ``BRANCHYARD_GPU_SHARED``
+    set by whoever starts several runs on one GPU."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return "other xdist workers share the GPU and the host"
+    if os.environ.get("BRANCHYARD_GPU_SHARED"):
+        return "BRANCHYARD_GPU_SHARED is set: other runs share the GPU and the host"
+    return None
+
+
+def skip_timing_if_shared(what: str) -> None:
+    """Skip the rest of a ``timing`` test (its outputs and reports already
+    checked) where :func:`gpu_shared` says the GPU is not its own."""
+    why = gpu_shared()
+    if why is not None:
+        pytest.skip(f"{what} needs the GPU to itself ({why}): run `pytest -m timing tests/gpu` alone")
 
 
 def capture_after_warmup(fn):
@@ -102,3 +125,10 @@ def check_small_m_shapes(spec, config, m: int, shapes, dtype: torch.dtype = torc
             failures.append(str(exc))
     assert not failures, "\n".join(failures)
 
+
+def replay_ratio(unrewritten, rewritten, windows: int = 9) -> tuple[float, list[list[float]]]:
+    """The rewritten replay's device time over the unrewritten one's, the median of
+    ``windows`` windows of interleaved replays (the graph race's own timer), and the
+    windows' ms per replay."""
+    times = [device_interleaved_timer([unrewritten, rewritten], reps=30) for _ in range(windows)]
+    return statistics.median(r / u for u, r in times), times

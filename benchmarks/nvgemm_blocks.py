@@ -315,7 +315,7 @@ def report(rows: list[dict], markdown: bool) -> str:
         cells = [f"{r[c]:.1f}" if isinstance(r.get(c), float) else "-" for c in cols]
         checks = []
         for target, value in zip(TARGETS, ratios(r).values()):
-            checks.append("-" if value is None else f"{value:.2f}x {verdict(r, target, value)}")
+            checks.append("-" if value is None else f"{ratio_text(value, target[3])} {verdict(r, target, value)}")
         if markdown:
             lines.append(f"| {r['block']} | {r['m']} | {r.get('fused', '-')} | " + " | ".join(cells + checks) + " |")
         else:
@@ -331,10 +331,17 @@ def report(rows: list[dict], markdown: bool) -> str:
         failed = sum(x == "FAIL" for _, x in verdicts)
         same = sum(x == "SAME" for _, x in verdicts)
         measured = [v for v, x in verdicts if x != "SAME"]
-        worst = f", worst {min(measured):.2f}x" if measured else ""
+        worst = f", worst {ratio_text(min(measured), target[3])}" if measured else ""
         lines.append(f"target {name}: {len(verdicts) - failed}/{len(verdicts)} rows pass ({same} the same program)"
                      f"{worst} -> {'PASS' if not failed else 'FAIL'}")
     return "\n".join(lines)
+
+
+def ratio_text(value: float, floor: float) -> str:
+    """``value`` as ``1.03x``, with a third decimal where two would round onto
+    ``floor`` (a 0.977 against 0.98 reads 0.977x, not a failing 0.98x)."""
+    text = f"{value:.2f}"
+    return f"{value:.3f}x" if float(text) == floor and value != floor else f"{text}x"
 
 
 def verdict(row: dict, target: tuple[str, str, str, float], value: float) -> str:

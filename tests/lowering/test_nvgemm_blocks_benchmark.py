@@ -70,6 +70,16 @@ def test_targets_are_judged_from_time_ratios(bench):
     assert "target rewritten >= 0.98x compile (graph): 0/1 rows pass" in text
 
 
+def test_a_ratio_that_rounds_onto_its_floor_shows_a_third_decimal(bench):
+    row = {"block": "b", "m": 64, "unrewritten_eager": 10.0, "rewritten_eager": 10.0,
+           "unrewritten_graph": 10.0, "rewritten_graph": 10.0, "compile_graph": 9.77}
+    text = bench.report([row], markdown=True)
+    assert "| 1.00x PASS | 1.00x PASS | 0.977x FAIL |" in text
+    assert "target rewritten >= 0.98x compile (graph): 0/1 rows pass (0 the same program), worst 0.977x" in text
+    assert bench.ratio_text(0.9849, 0.98) == "0.985x"  # rounds onto the floor: passes, shown as such
+    assert bench.ratio_text(0.98, 0.98) == "0.98x" and bench.ratio_text(1.034, 1.0) == "1.03x"
+
+
 def test_a_row_whose_race_kept_the_program_is_judged_the_same_program(bench):
     row = {"block": "b", "m": 1, "unrewritten_eager": 10.0, "rewritten_eager": 10.6,
            "unrewritten_graph": 5.0, "rewritten_graph": 5.5, "same": {"eager"}}

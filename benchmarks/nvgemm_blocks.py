@@ -78,7 +78,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from branchyard.lowering.nvgemm.timing import device_interleaved_timer, time_round_robin
+from branchyard.lowering.nvgemm.timing import device_interleaved_timer, round_order, time_round_robin
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cuda_graph_replay import graph_replay  # noqa: E402
@@ -208,8 +208,8 @@ def _timer(device: torch.device, iters: int, repeats: int) -> Callable[..., dict
                 interleave: bool = False) -> dict[str, list[float]]:
         if interleave and flush is None and device.type == "cuda":
             names, samples = list(fns), {name: [] for name in fns}
-            for r in range(repeats):  # the order rotates from round to round
-                order = names[r % len(names):] + names[:r % len(names)]
+            for r in range(repeats):  # as the eager columns' rounds: no column always first or after the same one
+                order = round_order(names, r)
                 ms = device_interleaved_timer([fns[n] for n in order], warmup=1, reps=iters, max_ms=1e9)
                 for name, t in zip(order, ms):
                     samples[name].append(t * 1e3)

@@ -510,6 +510,16 @@ def test_round_robin_varies_position_and_neighbours():
     assert samples["a"] == [float(order_i + 1) for order_i, n in enumerate(order) if n == "a"]
 
 
+def test_round_order_puts_each_name_in_every_position_and_after_both_neighbours():
+    orders = [timing.round_order("abc", r) for r in range(6)]
+    assert orders == [list("abc"), list("acb"), list("cab"), list("cba"), list("bca"), list("bac")]
+    assert {o.index(n) for o in orders for n in "abc"} == {0, 1, 2}
+    after = {(o[i], o[i + 1]) for o in orders for i in range(2)}
+    assert after == {(x, y) for x in "abc" for y in "abc" if x != y}
+    assert [timing.round_order("ab", r) for r in range(3)] == [list("ab"), list("ba"), list("ab")]
+    assert timing.round_order([], 3) == []
+
+
 def test_paired_order_alternates_which_runs_first():
     assert timing.paired_order(4) == [(0, 1), (1, 0), (0, 1), (1, 0)]
     assert timing.paired_order(0) == []

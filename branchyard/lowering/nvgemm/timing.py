@@ -55,6 +55,7 @@ __all__ = [
     "paired_order",
     "paired_ratio",
     "ratio_summary",
+    "round_order",
     "time_round_robin",
     "timing_mode",
 ]
@@ -409,18 +410,23 @@ def paired_ratio(
     return ratio_summary(first_ms, second_ms)
 
 
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """The order of round ``r``: ``names`` rotated by ``r`` and, on odd rounds
+    (of three or more names), reversed, so over rounds each name runs in every
+    position and after both neighbours (two names: rotating alternates them)."""
+    names = list(names)
+    shift = r % len(names) if names else 0
+    order = names[shift:] + names[:shift]
+    return order[::-1] if r % 2 and len(names) > 2 else order
+
+
 def time_round_robin(
     fns: Mapping[str, Callable[[], Any]], rounds: int, timer: Callable[[str, Callable[[], Any]], float],
 ) -> dict[str, list[float]]:
     """``timer(name, fn)`` of every function, ``rounds`` times, round ``r`` in
-    the order rotated by ``r`` and, on odd rounds (of three or more functions),
-    reversed: each function runs in every position and after both neighbours.
-    """
-    names = list(fns)
-    samples: dict[str, list[float]] = {n: [] for n in names}
+    :func:`round_order`."""
+    samples: dict[str, list[float]] = {n: [] for n in fns}
     for r in range(rounds):
-        shift = r % len(names) if names else 0
-        order = names[shift:] + names[:shift]
-        for name in reversed(order) if r % 2 and len(names) > 2 else order:  # two: rotating alternates them
+        for name in round_order(list(fns), r):
             samples[name].append(timer(name, fns[name]))
     return samples

@@ -126,9 +126,10 @@ def check_small_m_shapes(spec, config, m: int, shapes, dtype: torch.dtype = torc
     assert not failures, "\n".join(failures)
 
 
-def replay_ratio(unrewritten, rewritten, windows: int = 9) -> tuple[float, list[list[float]]]:
-    """The rewritten replay's device time over the unrewritten one's, the median of
-    ``windows`` windows of interleaved replays (the graph race's own timer), and the
-    windows' ms per replay."""
-    times = [device_interleaved_timer([unrewritten, rewritten], reps=30) for _ in range(windows)]
-    return statistics.median(r / u for u, r in times), times
+def replay_ratio(first, second, windows: int = 9, **timer_kw) -> tuple[float, list[list[float]]]:
+    """``second``'s device time per replay over ``first``'s: the median over
+    ``windows`` windows of the two interleaved (the graph race's own timer,
+    :func:`~branchyard.lowering.nvgemm.timing.device_interleaved_timer`, 30
+    turns and ``timer_kw``), and the windows' ms per replay."""
+    times = [device_interleaved_timer([first, second], reps=30, **timer_kw) for _ in range(windows)]
+    return statistics.median(b / a for a, b in times), times

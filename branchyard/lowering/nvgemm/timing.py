@@ -425,8 +425,9 @@ def time_round_robin(
 ) -> dict[str, list[float]]:
     """``timer(name, fn)`` of every function, ``rounds`` times, round ``r`` in
     :func:`round_order`."""
-    samples: dict[str, list[float]] = {n: [] for n in fns}
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in round_order(list(fns), r):
+        for name in round_order(names, r):
             samples[name].append(timer(name, fns[name]))
     return samples

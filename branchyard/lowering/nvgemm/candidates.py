@@ -65,7 +65,7 @@ from branchyard.lowering.nvgemm.kernel_config import (
 )
 from branchyard.lowering.nvgemm.problem import Impl, Problem
 
-__all__ = ["Candidate", "INDUCTOR_MODE", "UNFUSED", "compile_chain", "default_candidates",
+__all__ = ["Candidate", "INDUCTOR_MODE", "UNFUSED", "candidate_kind", "compile_chain", "default_candidates",
            "inductor_candidate_name", "unfused_impl"]
 
 logger = logging.getLogger("branchyard")
@@ -87,6 +87,22 @@ class Candidate:
     build: Callable[[Problem], Impl]
     applies: Callable[[Problem], str | None] = lambda problem: None
     available: Callable[[Problem], str | None] = lambda problem: None
+
+
+def candidate_kind(name: str) -> str:
+    """The kind of kernel a candidate runs: its library (the part of its name
+    before ``:``), CuTeDSL's small-M and tiled kernels apart. Candidates of one
+    kind are launched and scheduled alike, so where one loses inside a
+    program for a reason its time alone did not show, its kin likely do too.
+
+        >>> [candidate_kind(n) for n in ("cutedsl:gemv_m64_w16", "cutedsl:t64x64_c1x1_o1_rtma",
+        ...                              "triton:inductor[default]", "cublas:addmm+aten", UNFUSED)]
+        ['cutedsl:gemv', 'cutedsl:tiled', 'triton', 'cublas', 'aten']
+    """
+    library, _, kernel = name.partition(":")
+    if library == "cutedsl":
+        return "cutedsl:gemv" if kernel.startswith("gemv") else "cutedsl:tiled"
+    return library
 
 
 # --- the unfused chain -------------------------------------------------------

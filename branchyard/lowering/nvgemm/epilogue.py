@@ -471,15 +471,24 @@ class EpilogueSpec:
 
     The string form (``str(spec)`` / :meth:`parse`) is what the custom op
     carries, e.g. ``"w=nk;bias@0;gelu_erf;out=bfloat16"``.
+
+    ``impl`` names the candidate the op runs for this chain (``";impl=<name>"``
+    at the end of the string), where the program race found that another of
+    the tuner's candidates than its winner makes the program faster; ``None``
+    (the default): the tuner's choice. It says how to run the chain, not what
+    it computes, so a :class:`~.problem.Problem` leaves it out.
     """
 
     steps: tuple[EpilogueStep, ...]
     out_dtype: torch.dtype
     weight_layout: Literal["kn", "nk"] = "kn"
+    impl: str | None = None
 
     def __str__(self) -> str:
         parts = [f"w={self.weight_layout}", *map(str, self.steps)]
         parts.append(f"out={str(self.out_dtype).removeprefix('torch.')}")
+        if self.impl is not None:
+            parts.append(f"impl={self.impl}")
         return ";".join(parts)
 
     @property
@@ -503,8 +512,17 @@ class EpilogueSpec:
         where = f"epilogue spec {text!r}"
         layout = "kn"
         out: torch.dtype | None = None
+        impl: str | None = None
         steps: list[EpilogueStep] = []
         for part in filter(None, text.split(";")):
+            if impl is not None:
+                raise LoweringError(f"'impl={impl}' must come last, not before {part!r}", where=where)
+            if part.startswith("impl="):
+                impl = part[5:].strip()
+                if not impl or impl != part[5:]:
+                    raise LoweringError(f"{part!r} names no implementation", where=where,
+                                        hint="impl=<a candidate name>, e.g. impl=cublas:addmm+aten")
+                continue
             if part.startswith("w="):
                 layout = part[2:]
                 if layout not in ("kn", "nk"):
@@ -536,7 +554,7 @@ class EpilogueSpec:
             steps.append(EpilogueStep(op, operand))
         if out is None:
             raise LoweringError("missing 'out=<dtype>'", where=where)
-        spec = EpilogueSpec(tuple(steps), out, layout)  # type: ignore[arg-type]
+        spec = EpilogueSpec(tuple(steps), out, layout, impl)  # type: ignore[arg-type]
         indices = [s.operand for s in spec.steps if s.op.operand in TENSOR_OPERANDS]
         if indices != list(range(len(indices))):
             raise LoweringError(

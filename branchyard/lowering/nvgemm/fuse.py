@@ -53,6 +53,7 @@ that node's users and erases the chain.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Iterator, Sequence
@@ -64,7 +65,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from branchyard.lowering.nvgemm.matcher import MATMUL_ROOTS, EpilogueChain, WeightRows, match_chain
-from branchyard.lowering.nvgemm.op import fused_gemm_epilogue
+from branchyard.lowering.nvgemm.op import fused_gemm_epilogue, tuned_result
 from branchyard.lowering.nvgemm.program_race import (
     Calling,
     ProgramRace,
@@ -108,11 +109,12 @@ def _fake_val(target, args) -> object:
         return target(*vals)
 
 
-def rewrite_chain(gm: GraphModule, chain: EpilogueChain) -> Node:
-    """Replace ``chain`` (which must be fusable) by one fused op; return it."""
+def rewrite_chain(gm: GraphModule, chain: EpilogueChain, impl: str | None = None) -> Node:
+    """Replace ``chain`` (which must be fusable) by one fused op; return it.
+    ``impl``: the candidate the op runs for it (the spec's ``impl=``; ``None``: the tuner's choice)."""
     graph = gm.graph
     end = chain.end
-    spec = str(chain.spec)
+    spec = str(dataclasses.replace(chain.spec, impl=impl) if impl is not None else chain.spec)
     target = fused_gemm_epilogue
     with graph.inserting_before(end):
         b, *operands = (_weight_rows(graph, v) if isinstance(v, WeightRows) else v
@@ -144,6 +146,13 @@ def _weight_rows(graph: torch.fx.Graph, rows: WeightRows) -> Node:
     node = graph.call_function(aten.slice.Tensor, args)
     node.meta["val"] = _fake_val(aten.slice.Tensor, args)
     return node
+
+
+def _val_shape(node: Node | WeightRows | None) -> tuple[int, ...] | None:
+    if isinstance(node, WeightRows):
+        return tuple(node.shape)
+    shape = getattr(getattr(node, "meta", {}).get("val"), "shape", None)
+    return tuple(shape) if shape is not None else None
 
 
 def _shape(node: Node | WeightRows) -> str:
@@ -188,16 +197,23 @@ def _fusable_chains(graph_module: GraphModule) -> Iterator[tuple[GraphModule, No
                 gone.update(chain.nodes)
 
 
-def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, plain: bool = False) -> list[str]:
+def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, plain: bool = False,
+                 pins: dict[str, str] | None = None, calls: dict[str, tuple] | None = None) -> list[str]:
     """Rewrite the fusable chains (and, with ``plain``, the plain GEMMs) whose
-    group is in ``groups`` (all: ``None``); their groups, in order."""
+    group is in ``groups`` (all: ``None``), each with the candidate ``pins``
+    names for its group (else the tuner's choice); their groups, in order.
+    ``calls`` gets, per group, what the op's plans for it are found by
+    (:func:`~.op.tuned_result`: the spec and the shapes of the input and weight)."""
     seen = []
+    pins = pins or {}
     for gm, _, chain in _fusable_chains(graph_module):
         if chain.fusable or (plain and chain.plain):
             group = chain_group(chain)
             seen.append(group)
+            if calls is not None and group not in calls:
+                calls[group] = (str(chain.spec), _val_shape(chain.a), _val_shape(chain.b))
             if groups is None or group in groups:
-                rewrite_chain(gm, chain)
+                rewrite_chain(gm, chain, pins.get(group))
     return seen
 
 
@@ -238,6 +254,8 @@ class NvGemmPass(BranchyardPass):
         self.merge_siblings = merge_siblings
         #: The last race's result (``None`` where none ran).
         self.race_result: RaceResult | None = None
+        #: Per group the race kept fused by a runner-up of the tuner's, that candidate.
+        self.race_pins: dict[str, str] = {}
 
     @property
     def calling(self) -> Calling:
@@ -280,7 +298,8 @@ class NvGemmPass(BranchyardPass):
         """Race copies of ``graph_module`` fusing different groups of chains; or why not."""
         everything = copy_graph_module(graph_module, share_tensors=True)  # tensors shared, not copied
         plain = self._races_plain
-        groups = _fuse_groups(everything, None, plain)
+        calls: dict[str, tuple] = {}
+        groups = _fuse_groups(everything, None, plain, calls=calls)
         if not groups:
             return "nothing to fuse"
         inputs, why_not = placeholder_inputs(graph_module, self.example_inputs)
@@ -290,6 +309,16 @@ class NvGemmPass(BranchyardPass):
         variants: dict[frozenset[str], Variant] = {}
         calling = self.calling
         capture = self.race.capture or capture_replay
+        pinned: dict[str, tuple[str, str]] = {}  # a runner-up's label -> (its group, its candidate)
+
+        def alternatives(group: str) -> list[str]:
+            """``group`` fused by each of its tuned runner-ups, as labels ``build`` takes."""
+            labels = []
+            for name in runner_ups(group, calls.get(group), calling, self.race.runner_ups):
+                label = f"{group} impl={name}"
+                pinned[label] = (group, name)
+                labels.append(label)
+            return labels
 
         def build(fused: frozenset[str]) -> Variant:
             if fused not in variants:
@@ -300,7 +329,8 @@ class NvGemmPass(BranchyardPass):
                 gm = programs.get(fused)
                 if gm is None:
                     gm = copy_graph_module(graph_module, share_tensors=True)
-                    _fuse_groups(gm, fused, plain)
+                    pins = dict(pinned[label] for label in fused if label in pinned)
+                    _fuse_groups(gm, frozenset(pinned[x][0] if x in pinned else x for x in fused), plain, pins)
                 if fused:
                     for m in iter_graph_modules(gm):
                         m.recompile()
@@ -315,7 +345,9 @@ class NvGemmPass(BranchyardPass):
             except Exception as exc:
                 return f"the unrewritten program failed on the race inputs: {_first_line(exc)}"
             try:
-                return self.race.run(groups, build)
+                result = self.race.run(groups, build, alternatives)
+                self.race_pins = dict(pinned[label] for label in result.fused if label in pinned)
+                return result
             except _CaptureFailed as failed:  # a fused program that cannot be replayed is not kept
                 decisions = [RaceDecision(g, math.inf, math.nan, False) for g in dict.fromkeys(groups)]
                 logger.warning("nvgemm: the program fusing %s could not be captured into a CUDA graph (%s); "
@@ -403,7 +435,7 @@ class NvGemmPass(BranchyardPass):
         return self._noting(PipelineResult(result.program, True, [self.report]), groups, merge)
 
     def run(self, graph_module: GraphModule) -> bool:
-        self.race_result = None
+        self.race_result, self.race_pins = None, {}
         why_not = self._why_not_race(graph_module)
         keep: frozenset[str] | None = None
         if why_not is None:
@@ -413,11 +445,12 @@ class NvGemmPass(BranchyardPass):
             else:
                 self.race_result, keep = raced, raced.fused
         fused, declined, specs, left, plain = 0, 0, [], 0, 0
+        pins = self.race_pins
         for gm, root, chain in _fusable_chains(graph_module):
             group = chain_group(chain) if chain.fusable or chain.plain else ""
-            if chain.plain and self._races_plain and keep is not None and group in keep:  # won its race
-                specs.append(str(chain.spec))
-                rewrite_chain(gm, chain)
+            won = keep is not None and (group in keep or group in pins)
+            if chain.plain and self._races_plain and won:  # won its race
+                specs.append(rewrite_chain(gm, chain, pins.get(group)).args[3])
                 fused += 1
                 plain += 1
                 continue
@@ -425,7 +458,7 @@ class NvGemmPass(BranchyardPass):
                 declined += 1
                 self.skip(root, chain.reason or "")
                 continue
-            if keep is not None and group not in keep:
+            if keep is not None and not won:
                 result = self.race_result
                 if result is not None and result.failure:
                     self.skip(root, f"left unfused: {result.failure}")
@@ -437,8 +470,7 @@ class NvGemmPass(BranchyardPass):
                 continue
             if chain.near_miss and chain.stop_node is not None:
                 self.skip(chain.stop_node, f"the chain from '{root.name}' stops here: {chain.stop}")
-            specs.append(str(chain.spec))
-            rewrite_chain(gm, chain)
+            specs.append(rewrite_chain(gm, chain, pins.get(group)).args[3])
             fused += 1
         self.report.stats.update(fused=fused, declined=declined, specs=specs, plain_fused=plain)
         result = self.race_result
@@ -538,6 +570,17 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     """
     the_pass = NvGemmPass(check_calling(calling), race=race, merge_siblings=merge_siblings).bind_inputs(program)
     return Pipeline([the_pass], steps=1)(program).program
+
+
+def runner_ups(group: str, call: tuple | None, calling: Calling, limit: int) -> list[str]:
+    """The tuner's runner-ups for ``group`` (:meth:`~.tuner.TuneResult.runner_ups`), from the
+    tuning behind the op's plan for ``call`` (its spec and the shapes of its input and
+    weight; see :func:`~.op.tuned_result`) for this ``calling``; none where it was not tuned."""
+    if call is None or limit <= 0 or None in call:
+        return []
+    spec, a_shape, b_shape = call
+    result = tuned_result(spec, "host" if calling == "eager" else "device", a_shape, b_shape)
+    return result.runner_ups(limit) if result is not None else []
 
 
 def _graph_module(program: Program) -> GraphModule:

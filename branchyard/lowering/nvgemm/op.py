@@ -66,7 +66,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -81,7 +81,7 @@ from branchyard.lowering.nvgemm.epilogue import (
 from branchyard.lowering.nvgemm.kernel_config import ALIGN_BYTES, fused_kernel_ineligibility
 from branchyard.lowering.nvgemm.problem import Impl, TimingMode, bound_launch
 from branchyard.lowering.nvgemm.timing import current_timing_mode
-from branchyard.lowering.nvgemm.tuner import Autotuner
+from branchyard.lowering.nvgemm.tuner import Autotuner, TuneResult
 
 __all__ = [
     "OP_NAME",
@@ -94,6 +94,7 @@ __all__ = [
     "fallback_reasons",
     "run_unfused",
     "CallPlan",
+    "tuned_result",
 ]
 
 logger = logging.getLogger("branchyard")
@@ -268,6 +269,8 @@ class CallPlan:
     out_bytes: int = 0
     #: Makes a fresh ``[M, N]`` row-major output buffer (see :func:`_allocator`).
     alloc: Callable[[], torch.Tensor] | None = None
+    #: The tuner's key of the problem ``impl`` was chosen for (see :func:`tuned_result`).
+    tuned: str | None = None
 
 
 #: Call signatures remembered before the table starts over (serving with many M).
@@ -466,7 +469,25 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
         return call
     call.launch, takes_nk = bound_launch(call.impl, a2d, b_kn, ops2d, call.alloc())
     call.weight_t = plan.nk != takes_nk  # transposed where the launch takes the other layout than given ([N, K] if plan.nk)
+    call.tuned = tuner.problem_key(a2d, b_kn, ops2d, s, mode)
     return call
+
+
+def tuned_result(spec: str, mode: TimingMode, a_shape: Sequence[int], b_shape: Sequence[int],
+                 tuner: Autotuner | None = None) -> TuneResult | None:
+    """The tuning behind the op's plan for calls of ``spec`` with an input of
+    ``a_shape`` and a weight of ``b_shape``, timed ``mode``'s way (``None``: no
+    such call has been planned, or it runs unfused without tuning): the
+    candidates' times, which the program race reads for a chain's runner-ups."""
+    tuner = tuner or tuner_mod.get_autotuner()
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    for key, call in list(tuner.call_plans.items()):
+        # the signature's layout (_signature): spec, mode, then a's shape ... b's shape at 6
+        if key[:2] == (spec, mode) and tuple(key[2]) == a_shape and tuple(key[6]) == b_shape and call.tuned:
+            result = tuner.results.get(call.tuned)
+            if result is not None:
+                return result
+    return None
 
 
 def _capturing(a: torch.Tensor) -> bool:

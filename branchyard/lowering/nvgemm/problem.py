@@ -104,9 +104,10 @@ class Problem:
         """The problem an op call poses (``a`` ``[M, K]``, ``b_kn`` ``[K, N]``).
 
         Candidates always see ``b`` as ``[K, N]``, so the spec is normalised to
-        ``weight_layout="kn"``; the memory layout is ``b_layout``.
+        ``weight_layout="kn"``; the memory layout is ``b_layout``. A spec's
+        ``impl`` (how to run it, not what it computes) is left out.
         """
-        spec = dataclasses.replace(spec, weight_layout="kn")
+        spec = dataclasses.replace(spec, weight_layout="kn", impl=None)
         m, k = a.shape
         n = b_kn.shape[1]
         b_layout = "kn" if b_kn.stride(1) == 1 else "nk" if b_kn.stride(0) == 1 else layout_name(b_kn)

@@ -13,22 +13,33 @@ L2 for the next, are not what a kernel timed alone after an L2 flush shows.
 So the pass races the programs themselves and keeps only what wins.
 Semantics::
 
-    def race(groups, build, compare, margin):   # groups: the fused chains, grouped by problem
+    def race(groups, build, compare, margin, alternatives):  # groups: the fused chains, grouped by problem
         def wins(fused, unfused):              # one time of each per round, taken side by side
             ratios = [f / u for f, u in zip(fused, unfused)]
             needed = max(margin, spread(ratios) * sqrt(blocks / max(blocks, len(ratios))))
             return median(ratios) < 1 - needed
+        def runner_up(g, fused):               # g fused another way: another of the tuner's candidates
+            for alt in alternatives(g):
+                if wins(*compare(build(fused | {alt}), build(fused))):
+                    return fused | {alt}
+            return fused
         fused = set(groups)                    # build(fused): the program with those groups fused
         if len(groups) > 1:
             for g in groups:                   # greedily: each group left unfused in turn
                 with_g, without_g = compare(build(fused), build(fused - {g}))
                 if not wins(with_g, without_g):
-                    fused -= {g}
+                    fused = runner_up(g, fused - {g})
         if fused:
             rewritten, unrewritten = compare(build(fused), build(set()))
             if not wins(rewritten, unrewritten):
-                fused = set()                  # the rewrite lost: the program as it was
+                fused = runner_up(groups[0], set()) if len(groups) == 1 else set()  # else as it was
         return fused
+
+``alternatives(g)`` names the other ways to fuse group ``g`` (the pass
+offers the tuner's runner-ups, up to ``runner_ups`` of them: a kernel
+that wins timed alone can lose inside a program, where it overlaps the
+kernel before it and finds the L2 as that one left it, and a kernel of
+another kind can win there).
 
 ``compare(a, b)`` times the two programs in rounds (A/B, then B/A, ...):
 a block of calls of each, or, for graph replays, the replays of both
@@ -339,10 +350,15 @@ class ProgramRace:
     capture: GraphCapture | None = None
     max_blocks: int = 27
     pair_timer: PairTimer | None = None
+    #: How many other ways to fuse it a group that loses is offered (``alternatives``; 0: none).
+    runner_ups: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
             raise LoweringError(f"blocks={self.blocks!r}: a race needs at least one block", where="ProgramRace")
+        if not isinstance(self.runner_ups, int) or isinstance(self.runner_ups, bool) or self.runner_ups < 0:
+            raise LoweringError(f"runner_ups={self.runner_ups!r}: a count of other ways to fuse a group, 0 or more",
+                                where="ProgramRace")
         if not isinstance(self.max_blocks, int) or isinstance(self.max_blocks, bool) or self.max_blocks < self.blocks:
             raise LoweringError(f"max_blocks={self.max_blocks!r}: at least blocks={self.blocks}",
                                 where="ProgramRace", hint="max_blocks=blocks times every comparison once")
@@ -405,10 +421,26 @@ class ProgramRace:
         return RaceDecision(group, timed.a_us, timed.b_us, self.wins(timed, calling), self.needed(timed, calling),
                             1 - timed.ratio, len(timed.a))
 
-    def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant]) -> RaceResult:
-        """Race the programs ``build(fused)`` makes (see the module docstring)."""
+    def run(self, groups: Sequence[str], build: Callable[[frozenset[str]], Variant],
+            alternatives: Callable[[str], Sequence[str]] | None = None) -> RaceResult:
+        """Race the programs ``build(fused)`` makes (see the module docstring);
+        ``alternatives(group)``: labels ``build`` takes for ``group`` fused
+        another way (the first :attr:`runner_ups` of them are tried)."""
         groups = list(dict.fromkeys(groups))
+        labels = list(groups)  # the groups, then each alternative tried
         decisions: list[RaceDecision] = []
+
+        def runner_up(group: str, without: Variant) -> Variant:
+            """``without`` plus ``group`` fused the first other way that wins against it, else ``without``."""
+            for label in list(alternatives(group) if alternatives and self.runner_ups else ())[:self.runner_ups]:
+                labels.append(label)
+                other = build(without.fused | {label})
+                decisions.append(self.decide(label, self.compare(other, without), without.calling))
+                if decisions[-1].kept_fused:
+                    return other
+                del other
+            return without
+
         current = build(frozenset(groups))
         calling = current.calling
         if len(groups) > 1:
@@ -418,15 +450,22 @@ class ProgramRace:
                 without = build(current.fused - {group})
                 decisions.append(self.decide(group, self.compare(current, without), calling))
                 if not decisions[-1].kept_fused:
-                    current = without
-                del without  # if it lost, its program (and captured graph) can go before the next is built
+                    current = without  # the losing program (and captured graph) goes before the next is built
+                    current = runner_up(group, current)
+                del without
         if not current.fused:  # every group lost on its own: the last comparison timed the program as it was
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
-        timed = self.compare(current, build(frozenset()))
-        final = [self.decide(g, timed, calling) for g in groups if g in current.fused]
+        unrewritten = build(frozenset())
+        timed = self.compare(current, unrewritten)
+        final = [self.decide(g, timed, calling) for g in labels if g in current.fused]
         if not final[0].kept_fused:
             decisions += final
+            if len(groups) == 1:  # the one group's tuned choice lost: its runner-ups may not
+                del current
+                kept = runner_up(groups[0], unrewritten)
+                if kept.fused:
+                    return RaceResult(kept.fused, decisions, decisions[-1].unfused_us, decisions[-1].fused_us)
             return RaceResult(frozenset(), decisions, timed.b_us, timed.b_us)
         if len(groups) == 1:
             decisions += final

@@ -50,7 +50,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from branchyard.errors import LoweringError
-from branchyard.lowering.nvgemm.candidates import UNFUSED, Candidate, default_candidates
+from branchyard.lowering.nvgemm.candidates import UNFUSED, Candidate, candidate_kind, default_candidates
 from branchyard.lowering.nvgemm.environment import environment
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
 from branchyard.lowering.nvgemm.problem import Impl, Problem, TimingMode, bound_launch, m_bucket
@@ -69,6 +69,7 @@ __all__ = [
     "CONTENDER_MARGIN",
     "HOST_RANKING",
     "PLAYOFF_MARGIN",
+    "RUNNER_UP_MARGIN",
     "TuneResult",
     "get_autotuner",
     "numerics_error",
@@ -96,6 +97,35 @@ class TuneResult:
     #: The paired playoff, in order: each candidate's time over the then leader's (< 1: it took the lead).
     playoff: list[dict[str, Any]] = field(default_factory=list)
     impl: Impl | None = field(default=None, repr=False, compare=False)
+
+    def runner_ups(self, limit: int, within: float = 0.0) -> list[str]:
+        """What to run instead where the winner, inside a program, loses (see
+        :class:`~.program_race.ProgramRace`): the fastest timed candidate of each
+        other kind (:func:`~.candidates.candidate_kind`) than the winner's and
+        the unfused chain's (leaving a chain unfused is what the race compares
+        with), fastest first, at most ``limit``, each within ``within``
+        (default :data:`RUNNER_UP_MARGIN`) of the winner's time.
+
+            >>> r = TuneResult("k", "cutedsl:t64x64", {"cutedsl:t64x64": 8.7e-3, "cutedsl:t64x128": 8.8e-3,
+            ...     "cutedsl:gemv_m64_w16": 9.0e-3, "triton:inductor": 9.3e-3, "aten:unfused": 9.4e-3,
+            ...     "cutlass_plain+epilogue": 18.6e-3})
+            >>> r.runner_ups(3)
+            ['cutedsl:gemv_m64_w16', 'triton:inductor']
+        """
+        best = self.timings.get(self.winner)
+        if best is None:
+            return []
+        bound = best * (within or RUNNER_UP_MARGIN)
+        seen = {candidate_kind(self.winner), candidate_kind(UNFUSED)}
+        picked: list[str] = []
+        for name, ms in sorted(self.timings.items(), key=lambda kv: kv[1]):
+            kind = candidate_kind(name)
+            if len(picked) >= limit or ms > bound:
+                break
+            if kind not in seen:
+                seen.add(kind)
+                picked.append(name)
+        return picked
 
     def table(self) -> str:
         """A readable summary (fastest first)."""
@@ -134,6 +164,11 @@ CONTENDER_MARGIN = 1.10
 #: After the rounds, candidates whose median is within this factor of the leader's meet it
 #: in a paired comparison (:func:`~.timing.paired_ratio`), which decides the winner.
 PLAYOFF_MARGIN = 1.05
+
+#: A runner-up (:meth:`TuneResult.runner_ups`) is at most this factor slower than the
+#: winner timed alone: inside a program the kernels seen losing or winning against
+#: their time alone did so by 3-16%.
+RUNNER_UP_MARGIN = 1.25
 
 #: Exact call signatures remembered per tuner before the table starts over (serving with many M).
 _EXACT_LIMIT = 4096
@@ -274,9 +309,19 @@ class Autotuner:
         self._exact[exact] = impl
         return impl
 
+    def problem_key(self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor],
+                    spec: EpilogueSpec, mode: TimingMode) -> str:
+        """The key under which this call's problem is tuned (in :attr:`results` and the database)."""
+        problem = Problem.of(a, b_kn, operands, spec, mode)
+        return problem.key(self._env(problem))
+
     def _select_slow(self, a, b_kn, operands, spec, mode) -> Impl:
         problem = Problem.of(a, b_kn, operands, spec, mode)
         cands = {c.name: c for c in self.candidates(problem)}
+        if spec.impl is not None:
+            pinned = self._pinned(problem, cands, spec.impl, a, b_kn, operands)
+            if pinned is not None:
+                return pinned
         key = problem.key(self._env(problem))
         # what this process can build now: an entry must have raced all of it
         entry = self.db.get(key, known=[n for n, c in cands.items() if c.available(problem) is None])
@@ -291,6 +336,24 @@ class Autotuner:
             except Exception as exc:  # the recorded winner no longer builds: retune
                 logger.warning("nvgemm: cached winner %s fails to build (%s); retuning", entry["winner"], exc)
         return self._tune(problem, key, list(cands.values()), a, b_kn, operands).impl  # type: ignore[return-value]
+
+    def _pinned(self, problem, cands, name, a, b_kn, operands) -> Impl | None:
+        """The candidate a spec names (``impl=``), built and checked against the
+        reference once; ``None`` where it cannot run ``problem`` here (unknown,
+        not applicable, not available, failing to build, or wrong numbers), with
+        the reason logged: the tuner's choice runs instead."""
+        cand = cands.get(name)
+        why = f"no candidate named {name!r} here" if cand is None else cand.applies(problem) or cand.available(problem)
+        built: dict[str, Impl] = {}
+        if why is None:
+            ref = reference_fused_gemm(a, b_kn, list(operands), problem.spec)
+            why = self._try(cand, problem, a, b_kn, operands, ref, TuneResult("", ""), built, lambda *_: 0.0)
+        if why is not None:
+            logger.warning("nvgemm: %s: the pinned implementation %s cannot run it (%s); running the tuned "
+                           "choice instead", problem, name, why)
+            return None
+        logger.info("nvgemm: %s -> %s (pinned by the spec)", problem, name)
+        return built[name]
 
     def tune(
         self, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor], spec: EpilogueSpec,

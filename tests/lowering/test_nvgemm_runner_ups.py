@@ -293,3 +293,35 @@ def test_without_a_winning_runner_up_the_chain_is_left_unfused_and_says_why(tune
     assert "w=nk;bias@0;residual@1;out=float32 [4x32 @ 16x32, 16, 4x16]: left unfused" in left
     torch.testing.assert_close(out.module()(x), block(x))
     assert math.isfinite(p.race_result.result_us)
+
+
+class AttnProj(nn.Module):
+    """q, k, v of one input, concatenated (siblings the pass merges), and ``x + o(h)``."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x, h):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1), x + self.o(h)
+
+
+def test_a_kept_merge_keeps_the_pins_of_its_own_race(tuned_on_cpu):
+    torch.manual_seed(0)
+    block, x, h = AttnProj().eval(), torch.randn(4, 16), torch.randn(4, 16)
+    ep = torch.export.export(block, (x, h))
+    unmerged = _clock({"residual": 2.0})  # Inductor's kernel wins only beside the merged GEMM
+    merged = _clock({"merged": -10.0, "residual": 2.0, "impl=triton": -6.0})
+
+    def clock(variant: Variant) -> float:
+        cats = sum(n.target is torch.ops.aten.cat.default for n in variant.program.graph.nodes)
+        return (unmerged if cats else merged)(variant)
+
+    p = NvGemmPass(race=ProgramRace(timer=clock, devices=("cpu",), blocks=3)).bind_inputs(ep)
+    out = Pipeline([p])(ep).program
+    assert p.report.stats["merge"].startswith("kept ("), p.report.stats["merge"]
+    assert p.race_pins == {"w=nk;bias@0;residual@1;out=float32 [4x16 @ 16x16, 16, 4x16]": "triton:inductor"}
+    assert "w=nk;bias@0;residual@1;out=float32;impl=triton:inductor" in [
+        n.args[3] for n in out.graph.nodes if n.target is FUSED]
+    for got, want in zip(out.module()(x, h), block(x, h)):
+        torch.testing.assert_close(got, want)

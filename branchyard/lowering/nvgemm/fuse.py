@@ -430,7 +430,7 @@ class NvGemmPass(BranchyardPass):
     def _adopt(self, twin: "NvGemmPass", result: PipelineResult, groups: list[str], merge: str) -> PipelineResult:
         """Take the merged program's run as this pass's own."""
         logger.info("nvgemm: merged %s: %s", "; ".join(groups), merge)  # as the not-kept line names them
-        self.report, self.race_result = twin.report, twin.race_result
+        self.report, self.race_result, self.race_pins = twin.report, twin.race_result, twin.race_pins
         self.report.modified = True
         return self._noting(PipelineResult(result.program, True, [self.report]), groups, merge)
 

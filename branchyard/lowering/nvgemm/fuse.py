@@ -314,7 +314,7 @@ class NvGemmPass(BranchyardPass):
         def alternatives(group: str) -> list[str]:
             """``group`` fused by each of its tuned runner-ups, as labels ``build`` takes."""
             labels = []
-            for name in runner_ups(group, calls.get(group), calling, self.race.runner_ups):
+            for name in _runner_ups(group, calls.get(group), calling, self.race.runner_ups):
                 label = f"{group} impl={name}"
                 pinned[label] = (group, name)
                 labels.append(label)
@@ -572,7 +572,7 @@ def nvgemm(program: Program, *, calling: Calling = "eager", race: ProgramRace | 
     return Pipeline([the_pass], steps=1)(program).program
 
 
-def runner_ups(group: str, call: tuple | None, calling: Calling, limit: int) -> list[str]:
+def _runner_ups(group: str, call: tuple | None, calling: Calling, limit: int) -> list[str]:
     """The tuner's runner-ups for ``group`` (:meth:`~.tuner.TuneResult.runner_ups`), from the
     tuning behind the op's plan for ``call`` (its spec and the shapes of its input and
     weight; see :func:`~.op.tuned_result`) for this ``calling``; none where it was not tuned."""

@@ -197,8 +197,8 @@ def _fusable_chains(graph_module: GraphModule) -> Iterator[tuple[GraphModule, No
                 gone.update(chain.nodes)
 
 
-def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, plain: bool = False,
-                 pins: dict[str, str] | None = None, calls: dict[str, tuple] | None = None) -> list[str]:
+def _fuse_groups(graph_module: GraphModule, groups: frozenset[str] | None, pins: dict[str, str] | None = None,
+                 plain: bool = False, calls: dict[str, tuple] | None = None) -> list[str]:
     """Rewrite the fusable chains (and, with ``plain``, the plain GEMMs) whose
     group is in ``groups`` (all: ``None``), each with the candidate ``pins``
     names for its group (else the tuner's choice); their groups, in order.
@@ -299,7 +299,7 @@ class NvGemmPass(BranchyardPass):
         everything = copy_graph_module(graph_module, share_tensors=True)  # tensors shared, not copied
         plain = self._races_plain
         calls: dict[str, tuple] = {}
-        groups = _fuse_groups(everything, None, plain, calls=calls)
+        groups = _fuse_groups(everything, None, plain=plain, calls=calls)
         if not groups:
             return "nothing to fuse"
         inputs, why_not = placeholder_inputs(graph_module, self.example_inputs)
@@ -320,6 +320,11 @@ class NvGemmPass(BranchyardPass):
                 labels.append(label)
             return labels
 
+        def resolve(fused: frozenset[str]) -> tuple[frozenset[str], dict[str, str]]:
+            """The groups ``fused`` names, and per group fused by a runner-up its candidate."""
+            groups_in = frozenset(pinned[label][0] if label in pinned else label for label in fused)
+            return groups_in, dict(pinned[label] for label in fused if label in pinned)
+
         def build(fused: frozenset[str]) -> Variant:
             if fused not in variants:
                 # The race holds the variants it still compares; the cache keeps only the
@@ -329,8 +334,7 @@ class NvGemmPass(BranchyardPass):
                 gm = programs.get(fused)
                 if gm is None:
                     gm = copy_graph_module(graph_module, share_tensors=True)
-                    pins = dict(pinned[label] for label in fused if label in pinned)
-                    _fuse_groups(gm, frozenset(pinned[x][0] if x in pinned else x for x in fused), plain, pins)
+                    _fuse_groups(gm, *resolve(fused), plain=plain)
                 if fused:
                     for m in iter_graph_modules(gm):
                         m.recompile()
@@ -346,7 +350,7 @@ class NvGemmPass(BranchyardPass):
                 return f"the unrewritten program failed on the race inputs: {_first_line(exc)}"
             try:
                 result = self.race.run(groups, build, alternatives)
-                self.race_pins = dict(pinned[label] for label in result.fused if label in pinned)
+                self.race_pins = resolve(result.fused)[1]
                 return result
             except _CaptureFailed as failed:  # a fused program that cannot be replayed is not kept
                 decisions = [RaceDecision(g, math.inf, math.nan, False) for g in dict.fromkeys(groups)]

@@ -432,7 +432,9 @@ class ProgramRace:
 
         def runner_up(group: str, without: Variant) -> Variant:
             """``without`` plus ``group`` fused the first other way that wins against it, else ``without``."""
-            for label in list(alternatives(group) if alternatives and self.runner_ups else ())[:self.runner_ups]:
+            if alternatives is None or not self.runner_ups:
+                return without
+            for label in list(alternatives(group))[:self.runner_ups]:
                 labels.append(label)
                 other = build(without.fused | {label})
                 decisions.append(self.decide(label, self.compare(other, without), without.calling))

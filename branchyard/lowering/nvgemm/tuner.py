@@ -80,6 +80,11 @@ __all__ = [
 logger = logging.getLogger("branchyard")
 
 
+#: A runner-up (:meth:`TuneResult.runner_ups`) is at most this factor slower than the
+#: winner timed alone: inside a program the kernels seen losing or winning against
+#: their time alone did so by 3-16%.
+RUNNER_UP_MARGIN = 1.25
+
 @dataclass
 class TuneResult:
     """What one tuning run found: the winner, every survivor's median time in
@@ -98,13 +103,13 @@ class TuneResult:
     playoff: list[dict[str, Any]] = field(default_factory=list)
     impl: Impl | None = field(default=None, repr=False, compare=False)
 
-    def runner_ups(self, limit: int, within: float = 0.0) -> list[str]:
+    def runner_ups(self, limit: int, within: float = RUNNER_UP_MARGIN) -> list[str]:
         """What to run instead where the winner, inside a program, loses (see
         :class:`~.program_race.ProgramRace`): the fastest timed candidate of each
         other kind (:func:`~.candidates.candidate_kind`) than the winner's and
         the unfused chain's (leaving a chain unfused is what the race compares
-        with), fastest first, at most ``limit``, each within ``within``
-        (default :data:`RUNNER_UP_MARGIN`) of the winner's time.
+        with), fastest first, at most ``limit``, each within ``within`` of
+        the winner's time.
 
             >>> r = TuneResult("k", "cutedsl:t64x64", {"cutedsl:t64x64": 8.7e-3, "cutedsl:t64x128": 8.8e-3,
             ...     "cutedsl:gemv_m64_w16": 9.0e-3, "triton:inductor": 9.3e-3, "aten:unfused": 9.4e-3,
@@ -115,7 +120,7 @@ class TuneResult:
         best = self.timings.get(self.winner)
         if best is None:
             return []
-        bound = best * (within or RUNNER_UP_MARGIN)
+        bound = best * within
         seen = {candidate_kind(self.winner), candidate_kind(UNFUSED)}
         picked: list[str] = []
         for name, ms in sorted(self.timings.items(), key=lambda kv: kv[1]):
@@ -164,11 +169,6 @@ CONTENDER_MARGIN = 1.10
 #: After the rounds, candidates whose median is within this factor of the leader's meet it
 #: in a paired comparison (:func:`~.timing.paired_ratio`), which decides the winner.
 PLAYOFF_MARGIN = 1.05
-
-#: A runner-up (:meth:`TuneResult.runner_ups`) is at most this factor slower than the
-#: winner timed alone: inside a program the kernels seen losing or winning against
-#: their time alone did so by 3-16%.
-RUNNER_UP_MARGIN = 1.25
 
 #: Exact call signatures remembered per tuner before the table starts over (serving with many M).
 _EXACT_LIMIT = 4096

@@ -172,3 +172,39 @@ def test_the_op_tunes_to_the_inductor_candidate_and_its_calls_enter_no_dynamo(mo
     finally:
         tuner_mod.set_autotuner(None)
     torch.testing.assert_close(first, reference_fused_gemm(x, b, [ops[0], res], spec), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("text, gemm, rest", [
+    ("bias@0", "addmm", []),
+    ("bias@0;residual@1", "addmm", ["add"]),
+    ("scale:0.5;residual@0;relu", "addmm", ["relu"]),
+    ("bias@0;gelu_tanh", "addmm", ["gelu"]),
+    ("relu;bias@0", "mm", ["relu", "add"]),       # the bias comes after another step: not addmm's
+    ("scale_col@0;relu", "mm", ["mul", "relu"]),  # a per-column scale is not addmm's alpha
+])
+def test_the_traced_chain_is_addmm_where_the_program_had_one(text, gemm, rest):
+    """What Inductor is given to compile: ``addmm`` plus the rest where the chain
+    starts with a bias or residual (as ``nn.Linear`` wrote it), so its GEMM
+    templates are tuned with the bias in their epilogue as ``torch.compile`` of
+    the model tunes them; else ``mm`` and every step. Both compute the chain."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    a, b, ops, spec = _case(text, 6, 16, 32, seed=7)
+    gm = make_fx(cands_mod.chain_to_trace(spec, a, ops))(a, b, *ops)
+    called = [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
+    called = [c for c in called if c != "view"]  # operands reshaped to [M, N] or [N]
+    assert called[0] == gemm and called[1:] == rest, called
+    torch.testing.assert_close(gm(a, b, *ops), reference_fused_gemm(a, b, ops, spec), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bias_in_another_dtype_is_traced_as_mm_and_adds():
+    """``addmm`` takes its bias in the inputs' dtype only: a float32 bias on
+    bfloat16 inputs stays a separate add, as the unfused program ran it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec = EpilogueSpec.parse("w=kn;bias@0;out=bfloat16")
+    a, b, bias = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16)
+    gm = make_fx(cands_mod.chain_to_trace(spec, a, [bias]))(a, b, bias)
+    called = [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
+    assert called[0] == "mm" and "add" in called, called
+    torch.testing.assert_close(gm(a, b, bias), reference_fused_gemm(a, b, [bias], spec), rtol=2e-2, atol=2e-2)

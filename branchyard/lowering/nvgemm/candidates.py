@@ -291,18 +291,39 @@ def _inductor_options(mode: str) -> dict[str, Any]:
     return options
 
 
+def chain_to_trace(spec: EpilogueSpec, a: torch.Tensor, operands: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The chain as ATen ops, ``fn(a, b_kn, *operands)``, for Inductor to compile.
+
+    A chain that starts with what ``addmm`` applies (a bias or residual in the
+    inputs' dtype, after an optional scale) is ``addmm`` and the rest, as the
+    program had it (``nn.Linear``'s bias is an ``addmm``): Inductor then tunes
+    the problem ``torch.compile`` of the model tunes, GEMM templates with the
+    bias in their epilogue, not a plain ``mm`` followed by adds.
+
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> spec = EpilogueSpec.parse("w=kn;bias@0;residual@1;out=float32")
+        >>> a, b, bias, res = torch.randn(4, 8), torch.randn(8, 16), torch.randn(16), torch.randn(4, 16)
+        >>> gm = make_fx(chain_to_trace(spec, a, [bias, res]))(a, b, bias, res)
+        >>> [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+        ['addmm.default', 'view.default', 'add.Tensor']
+    """
+    prefix = addmm_prefix(spec.steps)
+    if prefix is None or operands[prefix.c].dtype != a.dtype:
+        return lambda a, b_kn, *ops: unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops), a)
+    rest, c, alpha = _rest_spec(spec, prefix.length), prefix.c, prefix.alpha
+    return lambda a, b_kn, *ops: unfused_aten_epilogue(torch.addmm(ops[c], a, b_kn, alpha=alpha), rest, list(ops), a)
+
+
 def compile_chain(spec: EpilogueSpec, mode: str, a: torch.Tensor, b_kn: torch.Tensor,
                   operands: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The unfused chain compiled by Inductor for exactly these inputs' shapes,
     strides, dtypes and device: ``fn(a, b_kn, *operands) -> result``, without
-    Dynamo (traced with ``make_fx`` on fake tensors, compiled with
-    ``torch._inductor.compile`` and ``mode``'s options)."""
+    Dynamo (:func:`chain_to_trace` traced with ``make_fx`` on fake tensors,
+    compiled with ``torch._inductor.compile`` and ``mode``'s options)."""
     import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def chain(a, b_kn, *ops):
-        return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops), a)
-
+    chain = chain_to_trace(spec, a, operands)
     inputs = [a, b_kn, *operands]
     graph = make_fx(chain, tracing_mode="fake")(*inputs)
     return torch._inductor.compile(graph, inputs, options=_inductor_options(mode))

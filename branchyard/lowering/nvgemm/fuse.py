@@ -420,8 +420,11 @@ class NvGemmPass(BranchyardPass):
         if isinstance(raced, RaceResult) and raced.fused:
             return self._adopt(twin, candidate, merged.groups,
                                f"kept ({raced.result_us:.1f} us against {raced.unrewritten_us:.1f} us without)")
-        why = (f"{raced.decisions[-1].fused_us:.1f} us with it against {raced.unrewritten_us:.1f} us without"
-               if isinstance(raced, RaceResult) and raced.decisions else str(raced))
+        if isinstance(raced, RaceResult):
+            why = raced.failure or (f"{raced.decisions[-1].fused_us:.1f} us with it against "
+                                    f"{raced.unrewritten_us:.1f} us without" if raced.decisions else "not timed")
+        else:
+            why = raced
         logger.info("nvgemm: %s: not kept (%s)", label, why)
         for group in merged.groups:
             self.skip(group, f"not merged: the program {_CALLED[self.calling]} is no faster with it ({why})")

@@ -41,6 +41,11 @@ that wins timed alone can lose inside a program, where it overlaps the
 kernel before it and finds the L2 as that one left it, and a kernel of
 another kind can win there).
 
+A race is limited to ``time_limit_s`` (600 s by default), read before each
+comparison: past it the race stops and the program stays as it was (the
+result's ``failure`` says so). A GPU that other processes keep busy makes
+each round many times longer than on a quiet one.
+
 ``compare(a, b)`` times the two programs in rounds (A/B, then B/A, ...):
 a block of calls of each, or, for graph replays, the replays of both
 interleaved (one replay, or about 1 ms of them, at a time). A fused variant
@@ -105,6 +110,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal, Sequence
 
@@ -282,6 +288,10 @@ class RaceResult:
         return next((d for d in reversed(self.decisions) if d.chains == group), None)
 
 
+class _OutOfTime(Exception):
+    """A race's time limit passed (caught in :meth:`ProgramRace.run`)."""
+
+
 #: ``timer(variant) -> milliseconds per call``.
 VariantTimer = Callable[[Variant], float]
 
@@ -352,6 +362,12 @@ class ProgramRace:
     pair_timer: PairTimer | None = None
     #: How many other ways to fuse it a group that loses is offered (``alternatives``; 0: none).
     runner_ups: int = 3
+    #: Seconds one :meth:`run` may take (``None``: no limit), read before each comparison.
+    #: Past it the race stops and keeps the program as it was (``RaceResult.failure`` says
+    #: why): on a GPU other processes keep busy, timing takes many times longer.
+    time_limit_s: float | None = 600.0
+    #: The clock :attr:`time_limit_s` is read on (seconds).
+    clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, int) or self.blocks < 1:
@@ -362,6 +378,11 @@ class ProgramRace:
         if not isinstance(self.max_blocks, int) or isinstance(self.max_blocks, bool) or self.max_blocks < self.blocks:
             raise LoweringError(f"max_blocks={self.max_blocks!r}: at least blocks={self.blocks}",
                                 where="ProgramRace", hint="max_blocks=blocks times every comparison once")
+        limit = self.time_limit_s
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not 0 < limit < math.inf):
+            raise LoweringError(f"time_limit_s={limit!r}: seconds a race may take, more than 0, or None "
+                                "(no limit)", where="ProgramRace")
         margin = self.margin
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
                                    or not 0 <= margin < 1):
@@ -426,9 +447,25 @@ class ProgramRace:
         """Race the programs ``build(fused)`` makes (see the module docstring);
         ``alternatives(group)``: labels ``build`` takes for ``group`` fused
         another way (the first :attr:`runner_ups` of them are tried)."""
-        groups = list(dict.fromkeys(groups))
-        labels = list(groups)  # the groups, then each alternative tried
+        deadline = None if self.time_limit_s is None else self.clock() + self.time_limit_s
         decisions: list[RaceDecision] = []
+
+        def compare(a: Variant, b: Variant) -> Comparison:
+            if deadline is not None and self.clock() > deadline:
+                raise _OutOfTime
+            return self.compare(a, b)
+
+        try:
+            return self._run(list(dict.fromkeys(groups)), build, alternatives, compare, decisions)
+        except _OutOfTime:
+            return RaceResult(frozenset(), decisions, math.nan, math.nan,
+                              failure=f"the race ran past its time limit of {self.time_limit_s:g} s "
+                                      "(ProgramRace.time_limit_s; is another process using the GPU?)")
+
+    def _run(self, groups: list[str], build: Callable[[frozenset[str]], Variant],
+             alternatives: Callable[[str], Sequence[str]] | None, compare: Callable[[Variant, Variant], Comparison],
+             decisions: list[RaceDecision]) -> RaceResult:
+        labels = list(groups)  # the groups, then each alternative tried
 
         def runner_up(group: str, without: Variant) -> Variant:
             """``without`` plus ``group`` fused the first other way that wins against it, else ``without``."""
@@ -437,7 +474,7 @@ class ProgramRace:
             for label in list(alternatives(group))[:self.runner_ups]:
                 labels.append(label)
                 other = build(without.fused | {label})
-                decisions.append(self.decide(label, self.compare(other, without), without.calling))
+                decisions.append(self.decide(label, compare(other, without), without.calling))
                 if decisions[-1].kept_fused:
                     return other
                 del other
@@ -450,7 +487,7 @@ class ProgramRace:
                 if group not in current.fused:
                     continue
                 without = build(current.fused - {group})
-                decisions.append(self.decide(group, self.compare(current, without), calling))
+                decisions.append(self.decide(group, compare(current, without), calling))
                 if not decisions[-1].kept_fused:
                     current = without  # the losing program (and captured graph) goes before the next is built
                     current = runner_up(group, current)
@@ -459,7 +496,7 @@ class ProgramRace:
             last = decisions[-1]
             return RaceResult(frozenset(), decisions, last.unfused_us, last.unfused_us)
         unrewritten = build(frozenset())
-        timed = self.compare(current, unrewritten)
+        timed = compare(current, unrewritten)
         final = [self.decide(g, timed, calling) for g in labels if g in current.fused]
         if not final[0].kept_fused:
             decisions += final

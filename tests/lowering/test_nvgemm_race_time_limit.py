@@ -10,12 +10,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from branchyard.errors import LoweringError
 from branchyard.fx.pass_infra import Pipeline
 from branchyard.lowering.nvgemm.fuse import NvGemmPass
 from branchyard.lowering.nvgemm.program_race import ProgramRace, Variant
+from nvgemm_race_blocks import AttnProj, Block
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue.default
 
@@ -66,15 +66,6 @@ def test_a_bad_time_limit_is_an_error_naming_it(bad):
         ProgramRace(time_limit_s=bad)
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x):
-        return self.fc2(torch.nn.functional.silu(self.fc1(x))) + x
-
-
 def _slow_race(limit: float = 5.0) -> ProgramRace:
     """Every clock reading is a minute after the last: each race is out of time
     before its first comparison."""
@@ -99,15 +90,6 @@ def test_the_pass_leaves_every_chain_unfused_and_says_why():
     assert "the race ran past its time limit" in p.report.stats["race"]
     assert p.race_pins == {}
     torch.testing.assert_close(out.module()(x), block(x))
-
-
-class AttnProj(nn.Module):
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x, h):
-        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1), x + self.o(h)
 
 
 def test_a_merge_raced_past_the_limit_is_not_kept_and_says_why():

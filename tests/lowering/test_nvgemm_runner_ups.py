@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from branchyard.errors import LoweringError
 from branchyard.fx.pass_infra import Pipeline
@@ -22,6 +21,7 @@ from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, unfused_aten_epilo
 from branchyard.lowering.nvgemm.fuse import NvGemmPass
 from branchyard.lowering.nvgemm.problem import Problem
 from branchyard.lowering.nvgemm.program_race import ProgramRace, Variant
+from nvgemm_race_blocks import AttnProj, Block
 from branchyard.lowering.nvgemm.tuner import Autotuner, TuneResult
 from branchyard.lowering.nvgemm.winners import WinnerDB
 
@@ -227,16 +227,6 @@ def test_a_bad_runner_up_count_is_an_error_naming_it(bad):
         ProgramRace(runner_ups=bad)
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 16)
-
-    def forward(self, x):
-        return self.fc2(torch.nn.functional.silu(self.fc1(x))) + x
-
-
 def _clock(deltas: dict[str, float]):
     def timer(variant: Variant) -> float:
         variant.run()
@@ -293,17 +283,6 @@ def test_without_a_winning_runner_up_the_chain_is_left_unfused_and_says_why(tune
     assert "w=nk;bias@0;residual@1;out=float32 [4x32 @ 16x32, 16, 4x16]: left unfused" in left
     torch.testing.assert_close(out.module()(x), block(x))
     assert math.isfinite(p.race_result.result_us)
-
-
-class AttnProj(nn.Module):
-    """q, k, v of one input, concatenated (siblings the pass merges), and ``x + o(h)``."""
-
-    def __init__(self, d: int = 16):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x, h):
-        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1), x + self.o(h)
 
 
 def test_a_kept_merge_keeps_the_pins_of_its_own_race(tuned_on_cpu):

@@ -27,6 +27,7 @@ A CUDA device and cuda-bindings are needed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -50,9 +51,8 @@ def pin_every_op(program: Any, impl: str) -> int:
     pinned = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in (packet.default, packet.out):
-            spec = EpilogueSpec.parse(node.args[3])
-            node.args = (*node.args[:3], str(EpilogueSpec(spec.steps, spec.out_dtype, spec.weight_layout, impl)),
-                         *node.args[4:])
+            spec = dataclasses.replace(EpilogueSpec.parse(node.args[3]), impl=impl)
+            node.args = (*node.args[:3], str(spec), *node.args[4:])
             pinned += 1
     gm.recompile()
     return pinned

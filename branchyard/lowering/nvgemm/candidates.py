@@ -48,6 +48,7 @@ import torch
 
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.epilogue import (
+    CublasPrefix,
     EpilogueSpec,
     addmm_prefix,
     cublaslt_prefix,
@@ -244,16 +245,18 @@ def _addmm_prefix_applies(problem: Problem) -> str | None:
     return _same_dtype(problem, prefix.c, "addmm")
 
 
+def _addmm_and_rest(spec: EpilogueSpec, prefix: CublasPrefix) -> Callable[..., torch.Tensor]:
+    """``fn(a, b_kn, operands)``: ``addmm`` on the chain's ``prefix``, its other steps as ATen ops."""
+    rest, c, alpha = _rest_spec(spec, prefix.length), prefix.c, prefix.alpha
+    return lambda a, b_kn, operands: unfused_aten_epilogue(torch.addmm(operands[c], a, b_kn, alpha=alpha), rest,
+                                                           list(operands), a)
+
+
 def _addmm_prefix_build(problem: Problem) -> Impl:
     prefix = addmm_prefix(problem.spec.steps)
     assert prefix is not None  # applies() checked it
-    c, alpha = prefix.c, prefix.alpha
-    rest = _rest_spec(problem.spec, prefix.length)
-
-    def impl(a, b_kn, operands, out):
-        return unfused_aten_epilogue(torch.addmm(operands[c], a, b_kn, alpha=alpha), rest, list(operands), a)
-
-    return impl
+    chain = _addmm_and_rest(problem.spec, prefix)
+    return lambda a, b_kn, operands, out: chain(a, b_kn, operands)
 
 
 # --- Triton through Inductor ---------------------------------------------------
@@ -310,8 +313,8 @@ def chain_to_trace(spec: EpilogueSpec, a: torch.Tensor, operands: list[torch.Ten
     prefix = addmm_prefix(spec.steps)
     if prefix is None or operands[prefix.c].dtype != a.dtype:
         return lambda a, b_kn, *ops: unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(ops), a)
-    rest, c, alpha = _rest_spec(spec, prefix.length), prefix.c, prefix.alpha
-    return lambda a, b_kn, *ops: unfused_aten_epilogue(torch.addmm(ops[c], a, b_kn, alpha=alpha), rest, list(ops), a)
+    chain = _addmm_and_rest(spec, prefix)
+    return lambda a, b_kn, *ops: chain(a, b_kn, ops)
 
 
 def compile_chain(spec: EpilogueSpec, mode: str, a: torch.Tensor, b_kn: torch.Tensor,

@@ -156,10 +156,7 @@ def _val_shape(node: Node | WeightRows | None) -> tuple[int, ...] | None:
 
 
 def _shape(node: Node | WeightRows) -> str:
-    if isinstance(node, WeightRows):
-        return "x".join(map(str, node.shape))
-    val = node.meta.get("val")
-    shape = getattr(val, "shape", None)
+    shape = _val_shape(node)
     return "x".join(map(str, shape)) if shape is not None else "?"
 
 

@@ -85,6 +85,7 @@ logger = logging.getLogger("branchyard")
 #: their time alone did so by 3-16%.
 RUNNER_UP_MARGIN = 1.25
 
+
 @dataclass
 class TuneResult:
     """What one tuning run found: the winner, every survivor's median time in

@@ -208,3 +208,51 @@ def test_a_bias_in_another_dtype_is_traced_as_mm_and_adds():
     called = [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"]
     assert called[0] == "mm" and "add" in called, called
     torch.testing.assert_close(gm(a, b, bias), reference_fused_gemm(a, b, [bias], spec), rtol=2e-2, atol=2e-2)
+
+
+_STEP_NAMES = ["bias", "scale", "scale_col", "residual", "mul", "relu", "gelu_erf", "gelu_tanh", "silu",
+               "sigmoid", "tanh"]
+
+
+def _random_chain(rng) -> str:
+    """A chain of 1-4 steps drawn from the epilogue table, operands numbered in order."""
+    steps, index = [], 0
+    for _ in range(rng.randint(1, 4)):
+        name = rng.choice(_STEP_NAMES)
+        if name == "scale":
+            steps.append(f"scale:{rng.choice([0.5, 2.0, -1.25])}")
+        elif name in ("bias", "scale_col", "residual", "mul"):
+            steps.append(f"{name}@{index}")
+            index += 1
+        else:
+            steps.append(name)
+    return ";".join(steps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_chains_trace_addmm_exactly_when_it_applies_and_match_the_reference(dtype):
+    """Seeded random chains of every step kind (before Inductor sees them): the
+    traced graph starts with ``addmm`` exactly when :func:`addmm_prefix` says the
+    chain starts with what addmm applies, and computes the chain."""
+    import random
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from branchyard.lowering.nvgemm.epilogue import addmm_prefix
+
+    rng = random.Random(12)
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    addmm_seen = mm_seen = 0
+    for case in range(60):
+        text = _random_chain(rng)
+        a, b, ops, spec = _case(text, rng.randint(1, 9), 8 * rng.randint(1, 3), 8 * rng.randint(1, 3), seed=case)
+        a, b, ops = a.to(dtype), b.to(dtype), [t.to(dtype) for t in ops]
+        gm = make_fx(cands_mod.chain_to_trace(spec, a, ops))(a, b, *ops)
+        first = next(n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function")
+        want_addmm = addmm_prefix(spec.steps) is not None
+        assert first == ("addmm" if want_addmm else "mm"), (text, first)
+        addmm_seen, mm_seen = addmm_seen + want_addmm, mm_seen + (not want_addmm)
+        torch.testing.assert_close(gm(a, b, *ops).float(), reference_fused_gemm(a, b, ops, spec).float(),
+                                   rtol=tol, atol=tol, msg=lambda m, text=text: f"{text}: {m}")
+    assert addmm_seen >= 10 and mm_seen >= 10, (addmm_seen, mm_seen)  # both forms were drawn
+

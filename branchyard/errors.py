@@ -11,6 +11,8 @@ where there is one, what to do about it::
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 __all__ = [
     "BranchyardError",
     "MalformedGraphError",
@@ -21,7 +23,11 @@ __all__ = [
     "LoweringError",
     "SerializationError",
     "EquivalenceError",
+    "InternalError",
+    "checked",
 ]
+
+T = TypeVar("T")
 
 
 class BranchyardError(Exception):
@@ -71,3 +77,24 @@ class SerializationError(BranchyardError, RuntimeError):
 
 class EquivalenceError(BranchyardError, AssertionError):
     """Two programs disagree on some control-flow path (raised by branchyard.testing)."""
+
+
+class InternalError(BranchyardError, RuntimeError):
+    """branchyard broke one of its own invariants: a bug to report, not bad input."""
+
+
+def checked(value: T | None, what: str, *, where: str) -> T:
+    """``value``, which an earlier step of branchyard guarantees is set; an
+    :class:`InternalError` naming ``what`` and ``where`` where it is not (an
+    ``assert`` would say neither, and vanishes under ``python -O``).
+
+        >>> checked(3, "the plan", where="cond_to_switch")
+        3
+        >>> checked(None, "the plan", where="cond_to_switch")
+        Traceback (most recent call last):
+        ...
+        branchyard.errors.InternalError: cond_to_switch: the plan is not set (a branchyard bug: please report it with the program)
+    """
+    if value is None:
+        raise InternalError(f"{what} is not set (a branchyard bug: please report it with the program)", where=where)
+    return value

@@ -62,7 +62,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from branchyard._compat import switch_op
-from branchyard.errors import BranchyardError
+from branchyard.errors import BranchyardError, checked
 from branchyard.passes.cond_tree import (
     LEFT_NESTED,
     CondTree,
@@ -150,8 +150,7 @@ def _general_index(plan: _Plan, hoist: _Hoister, like: Node) -> Any:
 
 def _dispatch_index(plan: _Plan, hoist: _Hoister, like: Node) -> Node:
     """``clamp(idx - lo, -1, n) % (n + 1)``: idx in [lo, lo+n) -> idx - lo, anything else -> n."""
-    chain = plan.dispatch
-    assert chain is not None
+    chain = checked(plan.dispatch, "the plan's dispatch chain", where="cond_to_switch")
     graph = hoist.graph
     x = hoist(chain.value, chain.value_home)
     lo, n = min(chain.constants), len(chain.constants)
@@ -181,8 +180,8 @@ def _erase_dead_raise_free(graph: torch.fx.Graph, nodes: list[Any]) -> None:
 
 def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
     """Replace ``tree.root`` by one switch (or, when every leaf is identical, by the leaf itself)."""
-    plan, owner, root = tree._plan, tree.owner, tree.root
-    assert plan is not None
+    plan = checked(tree._plan, "a cond tree's rewrite plan", where="cond_to_switch")
+    owner, root = tree.owner, tree.root
     graph = owner.graph
     sink = AttrSink(owner)
     if plan.dispatch_order is not None:
@@ -261,8 +260,7 @@ class CondToSwitch(BranchyardPass):
         return True
 
     def _count(self, tree: CondTree) -> None:
-        plan = tree._plan
-        assert plan is not None
+        plan = checked(tree._plan, "a cond tree's rewrite plan", where="cond_to_switch")
         s = self.report.stats
         s["cond_trees"] += 1
         s["conds_removed"] += len(plan.conds)

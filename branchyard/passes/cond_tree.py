@@ -54,6 +54,7 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.fx import Graph, GraphModule, Node
 
+from branchyard.errors import checked
 from branchyard.fx.control_flow import (
     AttrSink,
     CondParts,
@@ -127,9 +128,8 @@ class _Cond:
     false: _Sub | None = None
 
     def child(self, side: bool) -> _Sub:
-        sub = self.true if side else self.false
-        assert sub is not None  # set by analyze_cond_tree before any use
-        return sub
+        # set by analyze_cond_tree before any use
+        return checked(self.true if side else self.false, "a side of a cond", where="cond_tree")
 
 
 @dataclass
@@ -329,7 +329,7 @@ def match_dispatch_chain(root: _Cond) -> DispatchChain | str:
         constants.append(k)
         hits.append(hit)
         if other.nested is None:
-            assert value is not None
+            value = checked(value, "the dispatch chain's compared value", where="cond_tree")
             return DispatchChain(value, home, constants, hits, other)
         cond = other.nested
 
@@ -390,8 +390,8 @@ def _materialize(root: _Cond, leaf: _Sub, sink: AttrSink) -> tuple[Graph, list[N
     else:
         chain = [leaf]
         while chain[-1].root_args is None:
-            home = chain[-1].parent.home
-            assert home is not None  # root children always have root_args
+            # root children always have root_args
+            home = checked(chain[-1].parent.home, "a nested cond's home", where="cond_tree")
             chain.append(home)
         chain.reverse()
         out = _inline_chain(g, chain, 0, bind(chain[0].root_args or []), sink)
@@ -405,8 +405,7 @@ def _inline_chain(g: Graph, chain: list[_Sub], k: int, args: list[Any], sink: At
     sub = chain[k]
     if k == len(chain) - 1:
         return inline_graph(g, sub.gm, args, sink)
-    nested = sub.nested
-    assert nested is not None
+    nested = checked(sub.nested, "the nested cond on the chain", where="cond_tree")
     node = nested.parts.node
 
     def expand(env: dict[Node, Any]) -> Any:
@@ -497,8 +496,7 @@ def analyze_cond_tree(
             on_skip(node, note)
             conds = [c for c in conds if depth_of[id(c)] <= levels]
             for c in kept:
-                assert c.home is not None
-                c.home.nested = None
+                checked(c.home, "a kept cond's home", where="cond_tree").nested = None
             depth_of = {id(c): depth_of[id(c)] for c in conds}
             leaves = _leaves_in_order(root)
 
@@ -591,6 +589,6 @@ def find_cond_trees(gm: GraphModule) -> list[CondTree]:
             tree = analyze_cond_tree(m, node)
             if isinstance(tree, CondTree):
                 trees.append(tree)
-                assert tree._plan is not None
-                absorbed.update(c.parts.node for c in tree._plan.conds)
+                plan = checked(tree._plan, "a cond tree's rewrite plan", where="cond_tree")
+                absorbed.update(c.parts.node for c in plan.conds)
     return trees

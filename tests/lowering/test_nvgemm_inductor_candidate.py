@@ -9,6 +9,7 @@ fails, the chain runs eagerly and says why once."""
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import pytest
@@ -256,3 +257,22 @@ def test_random_chains_trace_addmm_exactly_when_it_applies_and_match_the_referen
                                    rtol=tol, atol=tol, msg=lambda m, text=text: f"{text}: {m}")
     assert addmm_seen >= 10 and mm_seen >= 10, (addmm_seen, mm_seen)  # both forms were drawn
 
+
+@pytest.mark.parametrize("name, text, form", [
+    ("cublas:addmm", "relu;bias@0", "[scale +] bias or residual"),
+    ("cublas:addmm+aten", "scale_col@0;relu", "[scale +] bias or residual"),
+    ("cublaslt:_addmm_activation", "bias@0;silu", "a bias and its ReLU or tanh-GELU"),
+    ("cublaslt:_addmm_activation+aten", "residual@0;relu;tanh", "a bias and its ReLU or tanh-GELU"),
+])
+def test_a_cublas_candidate_built_for_a_chain_it_does_not_fit_is_excluded_by_name(name, text, form):
+    """Built without asking ``applies`` first, a cuBLAS candidate raises a
+    LoweringError naming the chain and what it needed (which the tuner records
+    as the reason it is excluded), not an AssertionError."""
+    from branchyard.errors import LoweringError
+
+    a, b, ops, spec = _case(text, 4, 16, 8, seed=1)
+    problem = Problem.of(a, b, ops, spec)
+    (candidate,) = [c for c in cands_mod.default_candidates(problem, inductor=False) if c.name == name]
+    assert candidate.applies(problem) is not None
+    with pytest.raises(LoweringError, match=rf"candidate: the chain \[.*{text}.*\] does not start with {re.escape(form)}"):
+        candidate.build(problem)

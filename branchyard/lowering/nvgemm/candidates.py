@@ -172,9 +172,16 @@ def _require_tanh_gelu(problem: Problem, use_gelu: bool, where: str) -> None:
         )
 
 
+def _prefix(prefix: CublasPrefix | None, problem: Problem, form: str, where: str) -> CublasPrefix:
+    """``prefix``, found in ``problem``'s chain; where the chain has none (the
+    candidate built without its ``applies``), an error that excludes it."""
+    if prefix is None:
+        raise LoweringError(f"the chain [{problem.spec}] does not start with {form}", where=where)
+    return prefix
+
+
 def _cublaslt_build(problem: Problem) -> Impl:
-    prefix = cublaslt_prefix(without_casts(problem.spec.steps))
-    assert prefix is not None  # applies() checked it
+    prefix = _prefix(cublaslt_prefix(without_casts(problem.spec.steps)), problem, "a bias and its ReLU or tanh-GELU", "cublaslt candidate")
     _require_tanh_gelu(problem, prefix.use_gelu, "cublaslt candidate")
     bias, use_gelu = prefix.c, prefix.use_gelu
 
@@ -200,8 +207,7 @@ def _addmm_applies(problem: Problem) -> str | None:
 
 
 def _addmm_build(problem: Problem) -> Impl:
-    prefix = addmm_prefix(problem.spec.steps)
-    assert prefix is not None  # applies() checked it
+    prefix = _prefix(addmm_prefix(problem.spec.steps), problem, "[scale +] bias or residual", "cublas:addmm candidate")
     c, alpha = prefix.c, prefix.alpha
 
     def impl(a, b_kn, operands, out):
@@ -225,8 +231,7 @@ def _lt_prefix_applies(problem: Problem) -> str | None:
 
 
 def _lt_prefix_build(problem: Problem) -> Impl:
-    prefix = cublaslt_prefix(problem.spec.steps)
-    assert prefix is not None  # applies() checked it
+    prefix = _prefix(cublaslt_prefix(problem.spec.steps), problem, "a bias and its ReLU or tanh-GELU", "cublaslt prefix candidate")
     _require_tanh_gelu(problem, prefix.use_gelu, "cublaslt prefix candidate")
     bias, use_gelu = prefix.c, prefix.use_gelu
     rest = _rest_spec(problem.spec, prefix.length)
@@ -253,8 +258,7 @@ def _addmm_and_rest(spec: EpilogueSpec, prefix: CublasPrefix) -> Callable[..., t
 
 
 def _addmm_prefix_build(problem: Problem) -> Impl:
-    prefix = addmm_prefix(problem.spec.steps)
-    assert prefix is not None  # applies() checked it
+    prefix = _prefix(addmm_prefix(problem.spec.steps), problem, "[scale +] bias or residual", "cublas:addmm+aten candidate")
     chain = _addmm_and_rest(problem.spec, prefix)
     return lambda a, b_kn, operands, out: chain(a, b_kn, operands)
 

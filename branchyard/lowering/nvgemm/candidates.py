@@ -64,7 +64,7 @@ from branchyard.lowering.nvgemm.kernel_config import (
     small_m_configs,
     small_m_ineligibility,
 )
-from branchyard.lowering.nvgemm.problem import Impl, Problem
+from branchyard.lowering.nvgemm.problem import Impl, Problem, own_output
 
 __all__ = ["Candidate", "INDUCTOR_MODE", "UNFUSED", "candidate_kind", "compile_chain", "default_candidates",
            "inductor_candidate_name", "unfused_impl"]
@@ -116,7 +116,7 @@ def unfused_impl(spec: EpilogueSpec) -> Impl:
     def impl(a, b_kn, operands, out):
         return unfused_aten_epilogue(torch.mm(a, b_kn), spec, list(operands), a)
 
-    return impl
+    return own_output(impl)
 
 
 def _aten_build(problem: Problem) -> Impl:
@@ -240,7 +240,7 @@ def _lt_prefix_build(problem: Problem) -> Impl:
         y = torch._addmm_activation(operands[bias], a, b_kn, use_gelu=use_gelu)
         return unfused_aten_epilogue(y, rest, list(operands), a)
 
-    return impl
+    return own_output(impl)
 
 
 def _addmm_prefix_applies(problem: Problem) -> str | None:
@@ -260,7 +260,7 @@ def _addmm_and_rest(spec: EpilogueSpec, prefix: CublasPrefix) -> Callable[..., t
 def _addmm_prefix_build(problem: Problem) -> Impl:
     prefix = _prefix(addmm_prefix(problem.spec.steps), problem, "[scale +] bias or residual", "cublas:addmm+aten candidate")
     chain = _addmm_and_rest(problem.spec, prefix)
-    return lambda a, b_kn, operands, out: chain(a, b_kn, operands)
+    return own_output(lambda a, b_kn, operands, out: chain(a, b_kn, operands))
 
 
 # --- Triton through Inductor ---------------------------------------------------
@@ -440,7 +440,7 @@ def _inductor_build(problem: Problem, mode: str) -> Impl:
             fn = _inductor_fn(key, spec, mode, a, b_kn, operands)
         return fn(a, b_kn, *operands)
 
-    return impl
+    return own_output(impl)
 
 
 # --- our kernel and cutlass-operators' plain GEMM -----------------------------
@@ -548,7 +548,7 @@ def _cutlass_plain_build(problem: Problem, compile_plain: Callable[..., Any]) ->
         gemm(a, b_kn, y)
         return unfused_aten_epilogue(y, spec, list(operands), a)
 
-    return impl
+    return own_output(impl)
 
 
 def default_candidates(problem: Problem, *, inductor: bool | None = None) -> list[Candidate]:

@@ -79,7 +79,7 @@ from branchyard.lowering.nvgemm.epilogue import (
     unfused_aten_epilogue,
 )
 from branchyard.lowering.nvgemm.kernel_config import ALIGN_BYTES, fused_kernel_ineligibility
-from branchyard.lowering.nvgemm.problem import Impl, TimingMode, bound_launch
+from branchyard.lowering.nvgemm.problem import Impl, TimingMode, bound_launch, needs_out
 from branchyard.lowering.nvgemm.timing import current_timing_mode
 from branchyard.lowering.nvgemm.tuner import Autotuner, TuneResult
 
@@ -269,6 +269,9 @@ class CallPlan:
     out_bytes: int = 0
     #: Makes a fresh ``[M, N]`` row-major output buffer (see :func:`_allocator`).
     alloc: Callable[[], torch.Tensor] | None = None
+    #: ``launch`` writes an output buffer; else it returns a tensor of its own and
+    #: a functional call allocates none (:func:`~.problem.own_output`).
+    needs_out: bool = True
     #: The tuner's key of the problem ``impl`` was chosen for (see :func:`tuned_result`).
     tuned: str | None = None
 
@@ -468,6 +471,7 @@ def _plan_call(a, b, operands, plan: _SpecPlan, spec_text: str, mode: TimingMode
         call.reason = f"autotuning found no working implementation: {exc}"
         return call
     call.launch, takes_nk = bound_launch(call.impl, a2d, b_kn, ops2d, call.alloc())
+    call.needs_out = needs_out(call.launch)
     call.weight_t = plan.nk != takes_nk  # transposed where the launch takes the other layout than given ([N, K] if plan.nk)
     call.tuned = tuner.problem_key(a2d, b_kn, ops2d, s, mode)
     return call
@@ -610,7 +614,7 @@ def _run_plan(call: CallPlan, a, b, operands, out: torch.Tensor | None) -> torch
         return _unfused(a, b, operands, call.spec, out)  # type: ignore[arg-type]
     if out is not None:
         return _launch_into(out, call, a2d, weight, ops2d, (a, b, *operands), fits)
-    out = call.alloc()
+    out = call.alloc() if call.needs_out else None  # type: ignore[misc]
     res = call.launch(a2d, weight, ops2d, out)
     res = out if res is None else res
     return res.reshape(call.out_shape) if call.reshape_a else res
@@ -682,7 +686,7 @@ def _launch_into(out: torch.Tensor, call: CallPlan, a2d, weight, ops2d, inputs: 
     if direct:
         buf = out.view(call.m, call.n) if call.reshape_a else out
     else:
-        buf = call.alloc()
+        buf = call.alloc() if call.needs_out else None  # type: ignore[misc]
     res = call.launch(a2d, weight, ops2d, buf)  # type: ignore[misc]
     if res is None or res is buf:
         if direct:

@@ -21,11 +21,32 @@ import torch
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec
 
-__all__ = ["Impl", "Problem", "TimingMode", "bound_launch", "m_bucket", "dtype_name", "layout_name"]
+__all__ = ["Impl", "Problem", "TimingMode", "bound_launch", "m_bucket", "dtype_name", "layout_name", "needs_out",
+           "own_output"]
 
 #: ``impl(a [M, K], b_kn [K, N], operands, out [M, N]) -> result``. The result
-#: is ``out`` (written in place) or a tensor of the same shape and dtype.
+#: is ``out`` (written in place) or a tensor of the same shape and dtype; an
+#: impl marked by :func:`own_output` gets ``out=None`` from the op.
 Impl = Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], torch.Tensor], Any]
+
+
+def own_output(impl: Impl) -> Impl:
+    """``impl``, marked as one that returns a tensor of its own and never writes
+    ``out`` (ATen ops, Inductor's compiled chains): the op allocates no output
+    buffer for its calls, which would be a wasted allocation per call and, in a
+    CUDA graph, an unused block of the graph's pool.
+
+        >>> impl = own_output(lambda a, b_kn, operands, out: a @ b_kn)
+        >>> needs_out(impl), needs_out(lambda a, b_kn, operands, out: out)
+        (False, True)
+    """
+    impl.own_output = True  # type: ignore[attr-defined]
+    return impl
+
+
+def needs_out(launch: Callable[..., Any]) -> bool:
+    """Whether ``launch`` (an impl or the launch its ``bind`` returned) writes an ``out`` buffer."""
+    return not getattr(launch, "own_output", False)
 
 
 def bound_launch(impl: Impl, a: torch.Tensor, b_kn: torch.Tensor, operands: Sequence[torch.Tensor],

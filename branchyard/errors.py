@@ -96,5 +96,6 @@ def checked(value: T | None, what: str, *, where: str) -> T:
         branchyard.errors.InternalError: cond_to_switch: the plan is not set (a branchyard bug: please report it with the program)
     """
     if value is None:
-        raise InternalError(f"{what} is not set (a branchyard bug: please report it with the program)", where=where)
+        raise InternalError(f"{what} is not set (a branchyard bug: please report it with the program)",
+                            where=where)
     return value

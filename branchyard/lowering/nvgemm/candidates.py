@@ -172,6 +172,11 @@ def _require_tanh_gelu(problem: Problem, use_gelu: bool, where: str) -> None:
         )
 
 
+#: What each cuBLAS candidate needs its chain to start with (named where one is built for another chain).
+_LT_FORM = "a bias and its ReLU or tanh-GELU"
+_ADDMM_FORM = "[scale +] bias or residual"
+
+
 def _prefix(prefix: CublasPrefix | None, problem: Problem, form: str, where: str) -> CublasPrefix:
     """``prefix``, found in ``problem``'s chain; where the chain has none (the
     candidate built without its ``applies``), an error that excludes it."""
@@ -181,7 +186,7 @@ def _prefix(prefix: CublasPrefix | None, problem: Problem, form: str, where: str
 
 
 def _cublaslt_build(problem: Problem) -> Impl:
-    prefix = _prefix(cublaslt_prefix(without_casts(problem.spec.steps)), problem, "a bias and its ReLU or tanh-GELU", "cublaslt candidate")
+    prefix = _prefix(cublaslt_prefix(without_casts(problem.spec.steps)), problem, _LT_FORM, "cublaslt candidate")
     _require_tanh_gelu(problem, prefix.use_gelu, "cublaslt candidate")
     bias, use_gelu = prefix.c, prefix.use_gelu
 
@@ -207,7 +212,7 @@ def _addmm_applies(problem: Problem) -> str | None:
 
 
 def _addmm_build(problem: Problem) -> Impl:
-    prefix = _prefix(addmm_prefix(problem.spec.steps), problem, "[scale +] bias or residual", "cublas:addmm candidate")
+    prefix = _prefix(addmm_prefix(problem.spec.steps), problem, _ADDMM_FORM, "cublas:addmm candidate")
     c, alpha = prefix.c, prefix.alpha
 
     def impl(a, b_kn, operands, out):
@@ -231,7 +236,7 @@ def _lt_prefix_applies(problem: Problem) -> str | None:
 
 
 def _lt_prefix_build(problem: Problem) -> Impl:
-    prefix = _prefix(cublaslt_prefix(problem.spec.steps), problem, "a bias and its ReLU or tanh-GELU", "cublaslt prefix candidate")
+    prefix = _prefix(cublaslt_prefix(problem.spec.steps), problem, _LT_FORM, "cublaslt prefix candidate")
     _require_tanh_gelu(problem, prefix.use_gelu, "cublaslt prefix candidate")
     bias, use_gelu = prefix.c, prefix.use_gelu
     rest = _rest_spec(problem.spec, prefix.length)
@@ -258,7 +263,7 @@ def _addmm_and_rest(spec: EpilogueSpec, prefix: CublasPrefix) -> Callable[..., t
 
 
 def _addmm_prefix_build(problem: Problem) -> Impl:
-    prefix = _prefix(addmm_prefix(problem.spec.steps), problem, "[scale +] bias or residual", "cublas:addmm+aten candidate")
+    prefix = _prefix(addmm_prefix(problem.spec.steps), problem, _ADDMM_FORM, "cublas:addmm+aten candidate")
     chain = _addmm_and_rest(problem.spec, prefix)
     return own_output(lambda a, b_kn, operands, out: chain(a, b_kn, operands))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -12,30 +12,54 @@ from branchyard.lowering.nvgemm import op as op_mod
 from branchyard.lowering.nvgemm import tuner as tuner_mod
 from branchyard.lowering.nvgemm.candidates import Candidate
 from branchyard.lowering.nvgemm.epilogue import reference_fused_gemm
+from branchyard.lowering.nvgemm.problem import own_output
 from branchyard.lowering.nvgemm.tuner import Autotuner
 from branchyard.lowering.nvgemm.winners import WinnerDB
 
 
-@pytest.fixture
-def probe_tuner(monkeypatch, tmp_path) -> Iterator[Autotuner]:
-    """The op's tuner while the test runs: one candidate, which computes the
-    reference of the call's spec into the op's output buffer, and every call
-    eligible for it (on CPU too), so the op plans, keeps and runs a "fused"
-    choice without a GPU. Fallback warnings are silenced."""
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+def _probe_build(own: bool):
+    """The probe candidate's build: the reference of the call's spec, written into
+    the op's output buffer, or (``own``) returned as a tensor of its own."""
 
     def build(problem):
         nk = problem.spec.weight_layout == "nk"  # the impl gets [K, N]; the spec may say [N, K]
 
+        def reference(a2d, b_kn, ops):
+            return reference_fused_gemm(a2d, b_kn.t() if nk else b_kn, list(ops), problem.spec)
+
+        if own:
+            return own_output(lambda a2d, b_kn, ops, out: reference(a2d, b_kn, ops))
+
         def impl(a2d, b_kn, ops, out):
-            out.copy_(reference_fused_gemm(a2d, b_kn.t() if nk else b_kn, list(ops), problem.spec))
+            out.copy_(reference(a2d, b_kn, ops))
 
         return impl
 
-    t = Autotuner([Candidate("probe", build)], timer=lambda n, f: 1.0, db=WinnerDB(tmp_path),
-                  env={"gpu": "t"}, progress=False)
-    tuner_mod.set_autotuner(t)
+    return build
+
+
+@pytest.fixture
+def probe_tuner_of(monkeypatch, tmp_path) -> Iterator[Callable[..., Autotuner]]:
+    """``make(own=False)``: the op's tuner while the test runs, one candidate that
+    computes the reference of the call's spec (into the op's output buffer, or with
+    ``own`` as an :func:`~branchyard.lowering.nvgemm.problem.own_output` impl), and
+    every call eligible for it (on CPU too), so the op plans, keeps and runs a
+    "fused" choice without a GPU. Fallback warnings are silenced."""
+    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+
+    def make(own: bool = False) -> Autotuner:
+        t = Autotuner([Candidate("probe", _probe_build(own))], timer=lambda n, f: 1.0,
+                      db=WinnerDB(tmp_path / ("own" if own else "writes")), env={"gpu": "t"}, progress=False)
+        tuner_mod.set_autotuner(t)
+        return t
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NvGemmFallbackWarning)
-        yield t
+        yield make
     tuner_mod.set_autotuner(None)
+
+
+@pytest.fixture
+def probe_tuner(probe_tuner_of) -> Autotuner:
+    """The tuner of :func:`probe_tuner_of` whose candidate writes the op's output buffer."""
+    return probe_tuner_of()

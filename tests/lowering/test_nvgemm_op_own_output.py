@@ -10,51 +10,18 @@ import pytest
 import torch
 
 from branchyard.lowering.nvgemm import candidates as cands_mod
-from branchyard.lowering.nvgemm import op as op_mod
-from branchyard.lowering.nvgemm import tuner as tuner_mod
-from branchyard.lowering.nvgemm.candidates import Candidate, default_candidates
+from branchyard.lowering.nvgemm.candidates import default_candidates
 from branchyard.lowering.nvgemm.epilogue import EpilogueSpec, reference_fused_gemm
-from branchyard.lowering.nvgemm.problem import Problem, needs_out, own_output
-from branchyard.lowering.nvgemm.tuner import Autotuner
-from branchyard.lowering.nvgemm.winners import WinnerDB
+from branchyard.lowering.nvgemm.problem import Problem, needs_out
 
 FUSED = torch.ops.branchyard.fused_gemm_epilogue
 TEXT = "w=nk;bias@0;relu;residual@1;out=float32"
 SPEC = EpilogueSpec.parse(TEXT)
 
 
-def _reference(a2d, b_kn, ops):
-    return reference_fused_gemm(a2d, b_kn, list(ops), EpilogueSpec.parse("w=kn;bias@0;relu;residual@1;out=float32"))
-
-
-def _writes(problem):
-    def impl(a2d, b_kn, ops, out):
-        out.copy_(_reference(a2d, b_kn, ops))
-
-    return impl
-
-
-def _own(problem):
-    return own_output(lambda a2d, b_kn, ops, out: _reference(a2d, b_kn, ops))
-
-
-@pytest.fixture
-def tuner_of(monkeypatch, tmp_path):
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
-
-    def make(build):
-        t = Autotuner([Candidate("probe", build)], timer=lambda n, f: 1.0, db=WinnerDB(tmp_path / build.__name__),
-                      env={"gpu": "t"}, progress=False)
-        tuner_mod.set_autotuner(t)
-        return t
-
-    yield make
-    tuner_mod.set_autotuner(None)
-
-
-@pytest.mark.parametrize("build, allocs", [(_writes, 3), (_own, 0)])
-def test_a_functional_call_allocates_an_output_only_for_an_impl_that_writes_one(tuner_of, build, allocs):
-    tuner = tuner_of(build)
+@pytest.mark.parametrize("own, allocs", [(False, 3), (True, 0)])
+def test_a_functional_call_allocates_an_output_only_for_an_impl_that_writes_one(probe_tuner_of, own, allocs):
+    tuner = probe_tuner_of(own)
     g = torch.Generator().manual_seed(3)
     a, w = torch.randn(4, 16, generator=g), torch.randn(8, 16, generator=g)
     ops = [torch.randn(8, generator=g), torch.randn(4, 8, generator=g)]
@@ -62,7 +29,7 @@ def test_a_functional_call_allocates_an_output_only_for_an_impl_that_writes_one(
     with torch.no_grad():
         torch.testing.assert_close(FUSED(a, w, ops, TEXT), want)  # plans
         (call,) = tuner.call_plans.values()
-        assert call.impl is not None and call.needs_out is (build is _writes)
+        assert call.impl is not None and call.needs_out is not own
         made = []
         alloc = call.alloc
         call.alloc = lambda: made.append(1) or alloc()
@@ -75,7 +42,7 @@ def test_a_functional_call_allocates_an_output_only_for_an_impl_that_writes_one(
             got = FUSED.out(a, w, ops, TEXT, out=out)
             assert got is out
             torch.testing.assert_close(out, want)
-            assert len(made) == (1 if build is _writes and not out.is_contiguous() else 0)
+            assert len(made) == (1 if not own and not out.is_contiguous() else 0)
 
 
 def test_every_aten_and_inductor_candidate_is_marked_and_computes_without_an_out():

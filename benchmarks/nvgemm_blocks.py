@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import platform
@@ -372,6 +373,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--explain", action="store_true",
                         help="print each row's race decisions and tuning tables under it")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write every row to PATH: each column's per-round times, the ratios and their "
+                             "round-by-round values, the fused-op counts and the explanation")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, float32, toy widths, M in {1, 4}, no torch.compile: checks every column runs "
                              "and matches the eager block")
@@ -405,7 +409,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(rows[-1]["explain"], flush=True)
     print()
     print(report(rows, markdown=args.markdown))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:] if argv is None else argv, "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.machine(),
+                       "rows": [row_record(r) for r in rows]}, f, indent=1)
     return rows
+
+
+def row_record(row: dict) -> dict:
+    """``row`` as JSON data: the rounds behind each median, and for each target its
+    ratio with the round-by-round ratios it is the median of (where both columns
+    have rounds), so a ratio that disagrees with the columns' medians can be read."""
+    rounds = row.get("rounds", {})
+    record = {k: (sorted(v) if isinstance(v, set) else v) for k, v in row.items()}
+    record["ratios"] = ratios(row)
+    record["round_ratios"] = {name: [x / y for x, y in zip(rounds[num], rounds[den])]
+                              for name, num, den, _ in TARGETS if num in rounds and den in rounds}
+    return record
 
 
 if __name__ == "__main__":

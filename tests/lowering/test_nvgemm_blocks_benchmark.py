@@ -29,6 +29,25 @@ def test_dry_run_times_every_block_and_checks_its_outputs(bench, capsys):
     assert "| llama3_70b_attn_proj | 4 | 1m/1m |" in out
 
 
+def test_json_keeps_the_rounds_behind_each_median_and_ratio(bench, tmp_path):
+    import json
+    import statistics
+
+    path = tmp_path / "rows.json"
+    rows = bench.main(["--dry-run", "--blocks", "gpt2_attn_proj", "--m", "4", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert saved["argv"][-2:] == ["--json", str(path)] and len(saved["rows"]) == len(rows) == 1
+    (row,) = saved["rows"]
+    assert (row["block"], row["m"], row["fused"]) == ("gpt2_attn_proj", 4, "1/1")
+    for column in ("module_eager", "unrewritten_eager", "rewritten_eager"):
+        assert row[column] == statistics.median(row["rounds"][column])
+    (name,) = [t[0] for t in bench.TARGETS if t[1] == "unrewritten_eager"]
+    per_round = row["round_ratios"][name]
+    assert len(per_round) == len(row["rounds"]["rewritten_eager"])
+    assert row["ratios"][name] == statistics.median(per_round)
+    assert "eager rewrite:" in row["explain"]
+
+
 def test_no_merge_keeps_the_qkv_gemms_apart(bench):
     rows = bench.main(["--dry-run", "--blocks", "llama3_8b_attn_proj", "--m", "4", "--no-merge"])
     assert [r["fused"] for r in rows] == ["1/1"]

@@ -40,16 +40,19 @@ def _probe_build(own: bool):
 
 @pytest.fixture
 def probe_tuner_of(monkeypatch, tmp_path) -> Iterator[Callable[..., Autotuner]]:
-    """``make(own=False)``: the op's tuner while the test runs, one candidate that
-    computes the reference of the call's spec (into the op's output buffer, or with
-    ``own`` as an :func:`~branchyard.lowering.nvgemm.problem.own_output` impl), and
-    every call eligible for it (on CPU too), so the op plans, keeps and runs a
+    """``make(own=False, build=None, eligible=True)``: the op's tuner while the test
+    runs, one candidate that computes the reference of the call's spec (into the op's
+    output buffer, or with ``own`` as an :func:`~branchyard.lowering.nvgemm.problem.own_output`
+    impl) or, given ``build``, the candidate ``build(problem)`` makes; with ``eligible``
+    every call is eligible for it (on CPU too), so the op plans, keeps and runs a
     "fused" choice without a GPU. Fallback warnings are silenced."""
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
 
-    def make(own: bool = False) -> Autotuner:
-        t = Autotuner([Candidate("probe", _probe_build(own))], timer=lambda n, f: 1.0,
-                      db=WinnerDB(tmp_path / ("own" if own else "writes")), env={"gpu": "t"}, progress=False)
+    def make(own: bool = False, build: Callable | None = None, eligible: bool = True) -> Autotuner:
+        if eligible:
+            monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
+        kind = "built" if build is not None else "own" if own else "writes"
+        t = Autotuner([Candidate("probe", build or _probe_build(own))], timer=lambda n, f: 1.0,
+                      db=WinnerDB(tmp_path / kind), env={"gpu": "t"}, progress=False)
         tuner_mod.set_autotuner(t)
         return t
 

@@ -242,35 +242,20 @@ def test_without_cutedsl_a_cuda_call_is_still_tuned_among_the_other_candidates(m
     assert {"cublaslt:_addmm_activation", "cublas:addmm", "aten:unfused"} <= set(names)
 
 
-def _probe_tuner(tmp_path, impl):
-    from branchyard.lowering.nvgemm.candidates import Candidate
-    from branchyard.lowering.nvgemm.tuner import Autotuner
-    from branchyard.lowering.nvgemm.winners import WinnerDB
-
-    return Autotuner([Candidate("probe", lambda problem: impl)], timer=lambda name, fn: 1.0,
-                     db=WinnerDB(tmp_path), env={"gpu": "test"}, progress=False)
-
-
-def test_eligible_path_hands_2d_views_to_the_selected_impl(monkeypatch, tmp_path):
+def test_eligible_path_hands_2d_views_to_the_selected_impl(probe_tuner_of):
     """With eligibility forced, the op flattens a to [M, K], hands b as [K, N],
     col operands as [N], matrix operands as [M, N], and an out of the spec dtype."""
-    from branchyard.lowering.nvgemm import tuner as tuner_mod
-
     seen = []
 
     def impl(a2d, b_kn, ops, out):
         seen.append(dict(a=a2d.shape, b=b_kn.shape, ops=[t.shape for t in ops], out=(out.shape, out.dtype)))
         out.copy_(reference_fused_gemm(a2d, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;residual@1;out=bfloat16")))
 
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
-    tuner_mod.set_autotuner(_probe_tuner(tmp_path, impl))
-    try:
-        a, w = torch.randn(2, 3, 16), torch.randn(8, 16)
-        bias, res = torch.randn(1, 8), torch.randn(2, 3, 8)
-        for _ in range(3):  # tuned on the first call, a plan lookup after
-            out = fused_gemm_epilogue(a, w, [bias, res], "w=nk;bias@0;residual@1;out=bfloat16")
-    finally:
-        tuner_mod.set_autotuner(None)
+    probe_tuner_of(build=lambda problem: impl)
+    a, w = torch.randn(2, 3, 16), torch.randn(8, 16)
+    bias, res = torch.randn(1, 8), torch.randn(2, 3, 8)
+    for _ in range(3):  # tuned on the first call, a plan lookup after
+        out = fused_gemm_epilogue(a, w, [bias, res], "w=nk;bias@0;residual@1;out=bfloat16")
     want = dict(a=(6, 16), b=(16, 8), ops=[(8,), (6, 8)], out=((6, 8), torch.bfloat16))
     assert seen == [want] * 4  # the tuner's numerics check, then three calls
     assert out.shape == (2, 3, 8) and out.dtype == torch.bfloat16
@@ -332,9 +317,7 @@ def test_rewritten_program_traces_with_make_fx_and_dynamic_batch():
     torch.testing.assert_close(gm(params, x6), ep.module()(x6), rtol=1e-5, atol=1e-5)
 
 
-def test_op_falls_back_once_and_never_retunes_when_no_candidate_works(monkeypatch, tmp_path):
-    from branchyard.lowering.nvgemm import tuner as tuner_mod
-
+def test_op_falls_back_once_and_never_retunes_when_no_candidate_works(probe_tuner_of):
     op_mod.reset_fallback_warnings()
     builds = []
 
@@ -342,18 +325,12 @@ def test_op_falls_back_once_and_never_retunes_when_no_candidate_works(monkeypatc
         builds.append(1)
         raise LoweringError("no kernel for this shape")
 
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
-    tuner = _probe_tuner(tmp_path, None)
-    tuner._candidates = [tuner._candidates[0].__class__("broken", broken)]
-    tuner_mod.set_autotuner(tuner)
-    try:
-        a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
-        with pytest.warns(NvGemmFallbackWarning, match="autotuning found no working implementation"):
-            got = fused_gemm_epilogue(a, b, ops, str(spec))
-        for _ in range(3):
-            again = fused_gemm_epilogue(a, b, ops, str(spec))
-    finally:
-        tuner_mod.set_autotuner(None)
+    probe_tuner_of(build=broken)
+    a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+    with pytest.warns(NvGemmFallbackWarning, match="autotuning found no working implementation"):
+        got = fused_gemm_epilogue(a, b, ops, str(spec))
+    for _ in range(3):
+        again = fused_gemm_epilogue(a, b, ops, str(spec))
     torch.testing.assert_close(got, torch.relu(a @ b + ops[0]), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(again, got)
     assert builds == [1], "a failed tuning is remembered for the signature, not repeated per call"
@@ -388,26 +365,22 @@ def _bad_cases():
 
 
 @pytest.mark.parametrize("name", sorted(_bad_cases()))
-def test_bad_input_runs_unfused_with_the_reason_said_once(name, monkeypatch, tmp_path):
+def test_bad_input_runs_unfused_with_the_reason_said_once(name, monkeypatch, probe_tuner_of):
     """Every case reaches the unfused path for its own reason (the device check
     is passed on CPU so that each later rule is exercised), the result is the
     original chain's, and a second call says nothing new."""
     from branchyard.lowering.nvgemm import kernel_config
-    from branchyard.lowering.nvgemm import tuner as tuner_mod
 
     a, b, ops, text, reason = _bad_cases()[name]
     if name != "cpu tensors":  # pretend the device and CuTeDSL are there: the layout rules decide
         monkeypatch.setattr(op_mod, "fused_kernel_ineligibility",
                             lambda a, b, o, k, n: kernel_config.layout_ineligibility(a, b, o, k, n))
-    tuner_mod.set_autotuner(_probe_tuner(tmp_path, lambda *args: pytest.fail("the fused path must not run")))
+    probe_tuner_of(build=lambda problem: pytest.fail("the fused path must not run"), eligible=False)
     op_mod.reset_fallback_warnings()
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = fused_gemm_epilogue(a, b, ops, text)
-            again = fused_gemm_epilogue(a, b, ops, text)
-    finally:
-        tuner_mod.set_autotuner(None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fused_gemm_epilogue(a, b, ops, text)
+        again = fused_gemm_epilogue(a, b, ops, text)
     mine = [str(w.message) for w in caught if issubclass(w.category, NvGemmFallbackWarning)]
     assert len(mine) == 1 and reason in mine[0], mine
     spec = EpilogueSpec.parse(text)
@@ -421,28 +394,22 @@ def test_bad_input_runs_unfused_with_the_reason_said_once(name, monkeypatch, tmp
                                    rtol=0, atol=0)
 
 
-def test_timing_mode_keys_the_choice_and_rejects_unknown_modes(monkeypatch, tmp_path):
+def test_timing_mode_keys_the_choice_and_rejects_unknown_modes(probe_tuner_of):
     from branchyard.lowering.nvgemm import current_timing_mode, timing_mode
-    from branchyard.lowering.nvgemm import tuner as tuner_mod
 
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
     calls = []
 
     def impl(a, b_kn, ops, out):
         calls.append(current_timing_mode())
         out.copy_(reference_fused_gemm(a, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")))
 
-    tuner = _probe_tuner(tmp_path, impl)
-    tuner_mod.set_autotuner(tuner)
-    try:
-        a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+    tuner = probe_tuner_of(build=lambda problem: impl)
+    a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+    fused_gemm_epilogue(a, b, ops, str(spec))
+    with timing_mode("device"):
         fused_gemm_epilogue(a, b, ops, str(spec))
-        with timing_mode("device"):
-            fused_gemm_epilogue(a, b, ops, str(spec))
-            fused_gemm_epilogue(a, b, ops, str(spec))
         fused_gemm_epilogue(a, b, ops, str(spec))
-    finally:
-        tuner_mod.set_autotuner(None)
+    fused_gemm_epilogue(a, b, ops, str(spec))
     timings = sorted(k.split("|timing=")[1] for k in tuner.results)
     assert timings == ["device", "host"], "one tuning per mode"
     assert calls == ["host", "host", "device", "device", "device", "host"]  # check+call, check+2 calls, call
@@ -492,39 +459,33 @@ def test_fused_ops_inside_cond_branches_survive_save_load_and_decompositions():
         torch.testing.assert_close(decomposed.module()(x, f), ep.module()(x, f), rtol=1e-5, atol=1e-5)
 
 
-def test_inside_a_capture_the_op_never_tunes_and_uses_the_warm_up_choice(monkeypatch, tmp_path):
+def test_inside_a_capture_the_op_never_tunes_and_uses_the_warm_up_choice(monkeypatch, probe_tuner_of):
     """CPU stand-in for a CUDA-graph capture (tests/gpu/test_nvgemm_capture_gpu.py
     captures for real): a signature run before the capture replays its choice,
     from either timing mode; a signature first seen while capturing runs the
     unfused ops, says why once, and is not tuned or remembered."""
     from branchyard.lowering.nvgemm import timing_mode
-    from branchyard.lowering.nvgemm import tuner as tuner_mod
 
-    monkeypatch.setattr(op_mod, "fused_kernel_ineligibility", lambda *args: None)
     ran = []
 
     def impl(a, b_kn, ops, out):
         ran.append(a.shape[0])
         out.copy_(reference_fused_gemm(a, b_kn, ops, EpilogueSpec.parse("w=kn;bias@0;relu;out=float32")))
 
-    tuner = _probe_tuner(tmp_path, impl)
-    tuner_mod.set_autotuner(tuner)
+    tuner = probe_tuner_of(build=lambda problem: impl)
     op_mod.reset_fallback_warnings()
     capturing = [False]
     monkeypatch.setattr(op_mod, "_capturing", lambda a: capturing[0])
-    try:
-        a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
-        fused_gemm_epilogue(a, b, ops, str(spec))  # eager warm-up, host mode
-        tuned, plans = dict(tuner.results), dict(tuner.call_plans)
-        capturing[0] = True
-        with timing_mode("device"), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            warm = fused_gemm_epilogue(a, b, ops, str(spec))
-            fresh_a = torch.randn(3, a.shape[1])
-            cold = fused_gemm_epilogue(fresh_a, b, ops, str(spec))
-            fused_gemm_epilogue(fresh_a, b, ops, str(spec))
-    finally:
-        tuner_mod.set_autotuner(None)
+    a, b, ops, spec = _case("bias@0;relu;out=float32", torch.float32)
+    fused_gemm_epilogue(a, b, ops, str(spec))  # eager warm-up, host mode
+    tuned, plans = dict(tuner.results), dict(tuner.call_plans)
+    capturing[0] = True
+    with timing_mode("device"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warm = fused_gemm_epilogue(a, b, ops, str(spec))
+        fresh_a = torch.randn(3, a.shape[1])
+        cold = fused_gemm_epilogue(fresh_a, b, ops, str(spec))
+        fused_gemm_epilogue(fresh_a, b, ops, str(spec))
     assert tuner.results == tuned and tuner.call_plans == plans, "nothing tuned or planned while capturing"
     assert ran == [a.shape[0], a.shape[0], a.shape[0]]  # numerics check, warm-up, the captured call
     torch.testing.assert_close(warm, torch.relu(a @ b + ops[0]), rtol=1e-5, atol=1e-5)

@@ -89,6 +89,9 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     if isinstance(path, (str, os.PathLike)):
         if os.path.isdir(path):
             raise SerializationError("is a directory", where=where, hint="give a file name, e.g. out.pt2")
+        if os.fspath(path).endswith((os.sep, "/")):
+            raise SerializationError("names a folder (it ends with a path separator), not a file", where=where,
+                                     hint="give a file name, e.g. out.pt2")
         folder = os.path.dirname(os.path.abspath(os.fspath(path)))
         if not os.path.isdir(folder):
             raise SerializationError("could not write the program: its folder does not exist", where=where,
@@ -113,7 +116,7 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
             write(path)
     except SerializationError:
         raise
-    except (OSError, RuntimeError, TypeError, ValueError, AssertionError, RecursionError) as exc:
+    except Exception as exc:  # whatever torch's writer or the file system raised: the old file is intact
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SerializationError(f"could not write the program: {first}", where=where) from exc
     logger.info("saved %s (%d switch(es)) in %.2f s", where, count, time.perf_counter() - start)
@@ -139,8 +142,14 @@ def load(path: PathLike | io.BytesIO, *, trusted: bool = False) -> ExportedProgr
     if isinstance(path, (str, os.PathLike)):
         if os.path.isdir(path):
             raise SerializationError("is a directory, not a .pt2 file", where=where, hint="give the path of a .pt2 file")
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise SerializationError("no such file", where=where, hint="check the path")
+        if not os.path.isfile(path):
+            raise SerializationError("is not a regular file (a device, FIFO or socket)", where=where,
+                                     hint="give the path of a .pt2 file")
+        if not os.access(path, os.R_OK):
+            raise SerializationError("cannot be read (permission denied)", where=where,
+                                     hint="check the file's permissions")
     program, extra = read_program(path, trusted=trusted)
     raw = extra.get(MARKER_FILE) or ""
     try:

@@ -14,7 +14,8 @@ blocks but, unless ``trusted=True``:
 * checks every symbolic expression and guard against a small grammar (sympy
   constructors, arithmetic, comparisons, identifier strings) before torch
   parses it;
-* never opens ``data/aotinductor/`` (the ExportedProgram does not need it).
+* never opens ``data/aotinductor/`` (the ExportedProgram does not need it);
+* checks every entry against the zip's CRC, which torch's reader skips.
 
 An archive that needs more raises :class:`~branchyard.errors.SerializationError`
 that says which entry and why, and how to opt in: ``trusted=True`` (CLI
@@ -319,6 +320,7 @@ def _read_untrusted(file: FileLike, where: str, model: str) -> tuple[ExportedPro
     from torch.export.pt2_archive import constants as C
 
     reader = _open(file, where)
+    _check_crcs(file, where)
     version = reader.read_string(C.ARCHIVE_VERSION_PATH) if C.ARCHIVE_VERSION_PATH in reader.get_file_names() else None
     if version != C.ARCHIVE_VERSION_VALUE:
         raise SerializationError(
@@ -363,13 +365,41 @@ def _read_untrusted(file: FileLike, where: str, model: str) -> tuple[ExportedPro
     return program, extra
 
 
+class _ExtraFiles(dict):
+    """The dict ``torch.export.load`` fills with the archive's extra files. It
+    is true even when empty: torch replaces a false ``extra_files`` with a new
+    dict of its own (``extra_files or {}``), and then nothing comes back."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _check_crcs(file: FileLike, where: str) -> None:
+    """Every member's bytes match the CRC the zip records for them: torch's
+    reader does not check, and a flipped bit in a weight would load as a
+    different number."""
+    try:
+        with zipfile.ZipFile(file) as archive:  # type: ignore[arg-type]
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        raise SerializationError(f"not a readable .pt2 archive ({type(exc).__name__}: {exc})", where=where) from exc
+    finally:
+        if hasattr(file, "seek"):
+            file.seek(0)
+    if bad is not None:
+        raise SerializationError(f"entry {bad!r} is damaged (its bytes do not match the zip's CRC)", where=where,
+                                 hint="the file was corrupted after it was written; use an intact copy")
+
+
 def read_program(file: FileLike, *, trusted: bool = False, model: str = "model") -> tuple[ExportedProgram, dict[str, str]]:
     """The ExportedProgram named ``model`` in the ``.pt2`` ``file`` and the
     archive's extra files. See the module docstring for what ``trusted``
     changes. Raises SerializationError naming the file."""
     where = _where(file)
     if trusted:
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = _ExtraFiles()
+        if isinstance(file, (str, os.PathLike)) or hasattr(file, "seek"):
+            _check_crcs(file, where)
         try:
             with _quiet_torch_export():
                 program = torch.export.load(file, extra_files=extra)  # type: ignore[arg-type]
@@ -410,16 +440,30 @@ def _quiet_torch_export() -> Iterator[None]:
 
 # --- writing ---------------------------------------------------------------------------
 
+_FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
+
 
 def write_atomically(path: PathLike, write: Callable[[str], None]) -> None:
     """Call ``write(tmp)`` on a fresh path in ``path``'s folder, then move it
     onto ``path``; if ``write`` raises, ``path`` is untouched and the temporary
     file is gone. The file keeps an existing target's permission bits.
     The temporary file has ``path``'s name (in a hidden folder next to it), so
-    the archive's root folder is the one a direct write would give."""
-    target = os.path.abspath(os.fspath(path))
+    the archive's root folder is the one a direct write would give.
+
+    A symbolic link is written through (the link stays, its target is
+    replaced), as a direct write would; anything else that is not a regular
+    file (a device, a FIFO, a socket) is refused, since replacing it with a
+    file is not what writing to it means."""
+    target = os.path.realpath(os.fspath(path))
+    with contextlib.suppress(FileNotFoundError):
+        kind = os.stat(target).st_mode
+        if not stat.S_ISREG(kind):
+            raise SerializationError(
+                f"is not a regular file ({_FILE_KINDS.get(stat.S_IFMT(kind), 'special file')}); "
+                "refusing to replace it", where=_where(path), hint="give the path of a file to write")
     folder = os.path.dirname(target)
-    tmpdir = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    tmpdir = tempfile.mkdtemp(prefix=".by-", suffix=".tmp", dir=folder)  # short: the target's name goes inside
     tmp = os.path.join(tmpdir, os.path.basename(target))
     try:
         write(tmp)

@@ -54,6 +54,8 @@ Slots that shared one branch graph share one again.
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import operator
 from typing import Any
 
@@ -189,6 +191,15 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_name(x: Any) -> bool:
+    """A name FX could have given a node or a submodule: an identifier that is
+    no keyword, builtin or name FX's generated code uses (``torch``, ``self``),
+    of a sane length."""
+    return (isinstance(x, str) and x.isidentifier() and len(x) <= 256 and not keyword.iskeyword(x)
+            and not hasattr(builtins, x) and x != "self"
+            and x not in getattr(torch.fx.graph, "_custom_builtins", ("torch", "inf", "nan")))
+
+
 def _check_tag(tag: Any, where: str, num_operands: int) -> tuple[int, list[str], str]:
     """``(num_branches, branch_names, name)`` of a well-formed tag; raise otherwise."""
     if not isinstance(tag, dict):
@@ -210,11 +221,11 @@ def _check_tag(tag: Any, where: str, num_operands: int) -> tuple[int, list[str],
         raise _corrupt(where, f"num_operands is {m!r} but the cond passes {num_operands} operands after the index")
     if not isinstance(names, list) or len(names) != n:
         raise _corrupt(where, f"branch_names is {names!r}, expected a list of {n} names")
-    bad = [x for x in names if not (isinstance(x, str) and x.isidentifier())]
+    bad = [x for x in names if not _is_name(x)]
     if bad:
-        raise _corrupt(where, f"branch_names holds {bad[0]!r}, not an attribute name")
-    if not (isinstance(name, str) and name.isidentifier()):
-        raise _corrupt(where, f"name is {name!r}, not a node name")
+        raise _corrupt(where, f"branch_names holds {str(bad[0])[:80]!r}, not an attribute name")
+    if not _is_name(name):
+        raise _corrupt(where, f"name is {str(name)[:80]!r}, not a node name")
     return n, names, name
 
 
@@ -363,6 +374,9 @@ def _decode_switch(gm: GraphModule, cond: Node, tag: Any) -> tuple[Node, str]:
     if not (isinstance(pred, Node) and pred.args and isinstance(pred.args[0], Node)):
         raise _corrupt(where, "the tagged cond's predicate does not compare an index")
     index = pred.args[0]
+    val = index.meta.get("val")
+    if isinstance(val, torch.Tensor) and (val.dtype.is_floating_point or val.dtype.is_complex):
+        raise _corrupt(where, f"the index is {val.dtype}; a switch index is an integer or bool")
     n_tag = tag.get("num_branches") if isinstance(tag, dict) else None
     wide = _is_int(n_tag) and n_tag > 2
     n, names, name = _check_tag(tag, where, len(ops) - (1 if wide else 0))
@@ -449,4 +463,9 @@ def decode_switches(program: ExportedProgram) -> tuple[ExportedProgram, int]:
         _restore_names(m.graph, renames)
         m.recompile()
     found = [n for _, nodes in found for n in nodes]
-    return program._update(gm, program.graph_signature), len(found)
+    try:
+        return program._update(gm, program.graph_signature), len(found)
+    except Exception as exc:  # torch's verifier: e.g. a tag's name that the signature does not know
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _corrupt(describe_node(found[0]) if len(found) == 1 else f"{len(found)} switches",
+                       f"the restored program does not verify ({type(exc).__name__}: {first[:200]})") from exc

@@ -202,3 +202,84 @@ def test_deep_json_is_a_serialization_error(good_file, tmp_path):
             z.writestr(info.filename, data)
     with pytest.raises(SerializationError, match=r"deep\.pt2.*model\.json is not valid JSON"):
         branchyard.load(path)
+
+
+# --- what is at the target: links, devices, FIFOs, folders, long names -----------------
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(good_file, tmp_path):
+    """As a direct write would: the link's target gets the new program."""
+    link = tmp_path / "link.pt2"
+    link.symlink_to(good_file)
+    branchyard.save(_program(5.0), link)
+    assert link.is_symlink() and os.readlink(link) == str(good_file)
+    torch.testing.assert_close(branchyard.load(good_file).module()(torch.zeros(2)), torch.full((2,), 5.0))
+    assert _leftovers(tmp_path) == ["link.pt2"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_is_neither_replaced_by_a_save_nor_read_as_a_program(tmp_path, capsys):
+    fifo = tmp_path / "pipe.pt2"
+    os.mkfifo(fifo)
+    with pytest.raises(SerializationError, match=r"pipe\.pt2.*not a regular file \(a FIFO\)"):
+        branchyard.save(_program(), fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with pytest.raises(SerializationError, match=r"pipe\.pt2.*not a regular file"):
+        branchyard.load(fifo)
+    assert main(["example", "expert-dispatch", "--size", "2", "-o", str(fifo)]) == 1
+    assert "not a regular file" in _one_line(capsys) and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe.pt2"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="needs /dev/null")
+def test_a_device_behind_a_link_is_not_replaced(tmp_path):
+    link = tmp_path / "null.pt2"
+    link.symlink_to("/dev/null")
+    with pytest.raises(SerializationError, match=r"null\.pt2.*not a regular file \(a character device\)"):
+        branchyard.save(_program(), link)
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_a_path_ending_in_a_separator_is_a_folder_not_a_file(tmp_path):
+    with pytest.raises(SerializationError, match=r"names a folder"):
+        branchyard.save(_program(), str(tmp_path / "newdir") + os.sep)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_long_file_name_that_the_folder_takes_is_saved(tmp_path):
+    """The temporary folder's name must not be longer than the target's."""
+    path = tmp_path / ("a" * (255 - len(".pt2")) + ".pt2")
+    branchyard.save(_program(3.0), path)
+    torch.testing.assert_close(branchyard.load(path).module()(torch.zeros(2)), torch.full((2,), 3.0))
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("exc", [KeyError("k"), AttributeError("a"), ImportError("i"), OverflowError("o")])
+def test_any_error_in_the_writer_is_a_serialization_error_and_keeps_the_file(good_file, monkeypatch, exc):
+    before = good_file.read_bytes()
+    _crash_mid_write(monkeypatch, exc)
+    with pytest.raises(SerializationError, match=r"model\.pt2.*could not write"):
+        branchyard.save(_program(2.0), good_file)
+    assert good_file.read_bytes() == before and _leftovers(good_file.parent) == []
+
+
+def test_a_flipped_byte_in_a_weight_is_refused(good_file, tmp_path):
+    """torch's reader does not check the zip's CRCs; the safe reader does."""
+    src = zipfile.ZipFile(good_file)
+    (weight,) = [i for i in src.infolist() if "/data/weights/weight_" in i.filename]
+    raw = bytearray(good_file.read_bytes())
+    h = weight.header_offset  # the local header: name and extra-field lengths at 26 and 28, then the bytes
+    at = h + 30 + int.from_bytes(raw[h + 26:h + 28], "little") + int.from_bytes(raw[h + 28:h + 30], "little")
+    raw[at] ^= 0x40
+    path = tmp_path / "flipped.pt2"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(SerializationError, match=r"flipped\.pt2.*weight_0.*damaged.*CRC"):
+        branchyard.load(path)
+    torch.testing.assert_close(branchyard.load(good_file).module()(torch.zeros(2)), torch.ones(2))
+
+
+@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True, reason="root reads any file")
+def test_an_unreadable_file_says_permission_denied(good_file):
+    good_file.chmod(0)
+    with pytest.raises(SerializationError, match="permission denied"):
+        branchyard.load(good_file)

@@ -461,3 +461,79 @@ def test_fuzzed_tags_and_meta_give_an_error_or_the_same_program(five):
     check()
     print(f"fuzzed archives: {stats}")
     assert stats["cases"] >= 150 and stats["errors"] > 0 and stats["loaded"] >= 10
+
+
+# --- names and index types a loaded program must not take from an edited tag ---------
+
+
+@pytest.fixture(scope="module")
+def dispatch_archive():
+    """The README's program: 4 experts, cond_to_switch's one switch, whose output is the program's."""
+    from branchyard.examples import example_program
+    from branchyard.passes.cond_to_switch import cond_to_switch
+
+    return _archive(cond_to_switch(example_program("expert-dispatch", 4)))
+
+
+def _name_edit(key, value, slot=0):
+    def edit(tag, custom):
+        if key == "name":
+            tag["name"] = value
+        else:
+            tag["branch_names"][slot] = value
+    return edit
+
+
+@pytest.mark.parametrize("key, value", [
+    ("name", "x"), ("name", "renamed"), ("name", "class"), ("name", "None"), ("name", "torch"), ("name", "self"),
+    ("name", "print"), ("name", "inf"), ("name", "n" * 100_000),
+    ("branch_names", "class"), ("branch_names", "None"), ("branch_names", "len"), ("branch_names", "torch"),
+], ids=lambda v: str(v)[:12])
+def test_a_tag_name_the_program_cannot_take_is_a_serialization_error(key, value, dispatch_archive):
+    """Names that are keywords, builtins or names FX's code uses would give a
+    SyntaxError or shadow a global in the restored graph's code; a name the
+    program's signature does not know (the switch's output is the program's)
+    fails torch's verifier. Either way the load says the switch is malformed,
+    naming the node."""
+    with pytest.raises(SerializationError, match="node 'switch'.*malformed"):
+        branchyard.load(io.BytesIO(_tampered(dispatch_archive, tag_edit=_name_edit(key, value))))
+
+
+def _index_dtype_edit(dtype_code: int):
+    def edit(name, raw):
+        if name != "models/model.json":
+            return raw
+        doc = json.loads(raw)
+        values = doc["graph_module"]["graph"]["tensor_values"]
+        for key in ("idx", "clamp"):
+            values[key]["dtype"] = dtype_code
+        return json.dumps(doc).encode()
+    return edit
+
+
+def test_a_float_index_written_into_the_file_is_refused_not_restored(five):
+    """save refuses a float index; a file edited to give the index a float type
+    must not load as a switch (which would truncate 1.5 to branch 1 where the
+    stored cond tree picks branch 2)."""
+    ep, data = five
+    doc = json.loads(zipfile.ZipFile(io.BytesIO(data)).read(
+        next(n for n in zipfile.ZipFile(io.BytesIO(data)).namelist() if n.endswith("models/model.json"))))
+    values = doc["graph_module"]["graph"]["tensor_values"]
+    assert {"idx", "clamp"} <= set(values), sorted(values)
+    float32 = values["x"]["dtype"] if "x" in values else 7
+    with pytest.raises(SerializationError, match=r"node 'switch'.*index is torch\.float32"):
+        branchyard.load(io.BytesIO(_rewrite_bytes(data, _index_dtype_edit(float32))))
+
+
+def test_trusted_load_restores_the_switch(five, tmp_path, capsys):
+    """trusted=True reads the archive with torch.export.load, and the marker file
+    that records the switch count must come back with it."""
+    ep, data = five
+    path = tmp_path / "five.pt2"
+    path.write_bytes(data)
+    for trusted in (False, True):
+        loaded = branchyard.load(path, trusted=trusted)
+        assert len(_switches(loaded)) == 1 and not _conds(loaded)
+        _check_same(loaded, ep, N)
+    assert main(["inspect", "--trust", str(path)]) == 0
+    assert "switch" in capsys.readouterr().out

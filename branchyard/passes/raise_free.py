@@ -13,8 +13,10 @@ an op that is safe, which costs an optimization, never correctness.
 
 Shape and dtype errors (mismatched broadcasts, ``-`` on bools) are raised
 while the graph is traced, from the example values, so they cannot appear
-later for other values; what the table guards against are errors that
-depend on the *values*: an index out of range, an integer division by zero,
+later for other values. Strides are not guarded: an input of the traced
+shape may arrive transposed, so ``view`` (which raises where its strides
+cannot express the new shape) is not on the list, while ``reshape`` is.
+The table also guards against errors that depend on the *values*: an index out of range, an integer division by zero,
 a negative integer power, a reduction with no identity over an empty
 dimension whose size is only known at run time::
 
@@ -198,12 +200,13 @@ RAISE_FREE: tuple[RaiseFreeRule, ...] = (
         "max.default", "min.default", "amax.default", "amin.default", "argmax.default", "argmin.default",
         "max.dim", "min.dim", "aminmax.default", "logsumexp.default",
     ), _static_nonempty_input),
+    # not view, view_as or _unsafe_view: they raise for an input whose strides the new shape cannot keep
     RaiseFreeRule("layout and views", _ops(
-        "view.default", "reshape.default", "_unsafe_view.default", "expand.default", "permute.default",
+        "reshape.default", "expand.default", "permute.default",
         "transpose.int", "t.default", "squeeze.default", "squeeze.dim", "squeeze.dims", "unsqueeze.default",
         "flatten.using_ints", "slice.Tensor", "clone.default", "alias.default", "detach.default",
         "contiguous.default", "lift_fresh_copy.default", "cat.default", "stack.default", "expand_as.default",
-        "view_as.default", "broadcast_to.default",
+        "broadcast_to.default",
     )),
     RaiseFreeRule("views at a constant position", _ops(
         "select.int", "unbind.int", "split.Tensor", "narrow.default",
@@ -232,7 +235,7 @@ RAISE_FREE_METHODS = frozenset(
     "eq ne lt le gt ge __eq__ __ne__ __lt__ __le__ __gt__ __ge__ logical_and logical_or logical_xor logical_not "
     "__and__ __or__ __xor__ __invert__ bitwise_not add sub mul neg abs sign clamp maximum minimum __add__ "
     "__sub__ __mul__ __neg__ __radd__ __rsub__ __rmul__ exp log sqrt sin cos tanh sigmoid relu floor ceil round "
-    "sum mean any all float double half bool size dim view reshape unsqueeze squeeze permute transpose t expand "
+    "sum mean any all float double half bool size dim reshape unsqueeze squeeze permute transpose t expand "
     "contiguous clone detach isnan isfinite".split()
 )
 

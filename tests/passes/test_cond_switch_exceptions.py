@@ -130,6 +130,44 @@ def test_exported_program_with_guarded_embedding():
 # --------------------------------------------------------------------------- other members of the class
 
 
+def guarded_view(a, x):
+    def inner(x):
+        return cond(x.view(-1).sum() > 0, lambda x: x + 1, lambda x: x - 1, (x,))
+
+    return cond(a, lambda x: x * 2, inner, (x,))
+
+
+@pytest.mark.parametrize("trace", ["make_fx", "export"])
+def test_a_view_predicate_is_not_hoisted_for_inputs_of_other_strides(trace):
+    """export and make_fx guard shapes, not strides: a transposed input of the
+    traced shape reaches the outer cond's branch that does not view it, and a
+    hoisted view would raise there."""
+    example = (torch.tensor(True), torch.randn(3, 4))
+    if trace == "make_fx":
+        before = make_fx(guarded_view)(*example)
+        after, modified, report = rewrite(before)
+    else:
+        class M(torch.nn.Module):
+            def forward(self, a, x):
+                return guarded_view(a, x)
+
+        ep = torch.export.export(M(), example)
+        before, after = ep.module(), cond_to_switch(ep).module()
+        (_, _, report) = rewrite(ep.graph_module)
+    assert any("view" in s.reason and "may raise" in s.reason for s in report.skips), report.skips
+    transposed = torch.randn(4, 3).t()
+    for args in [(torch.tensor(True), transposed), (torch.tensor(False), transposed),
+                 (torch.tensor(True), torch.randn(3, 4)), (torch.tensor(False), torch.randn(3, 4))]:
+        assert_same_outcome(before, after, args)
+    assert outcome(after, torch.tensor(True), transposed)[0] == "ok"
+    assert outcome(after, torch.tensor(False), transposed) == ("raise", RuntimeError)
+
+
+@pytest.mark.parametrize("op", [aten.view.default, aten.view_as.default, aten._unsafe_view.default])
+def test_views_that_depend_on_strides_are_not_raise_free(op):
+    assert all(op not in rule.targets for rule in RAISE_FREE)
+
+
 def _guarded(guard: Callable, pred: Callable) -> Callable:
     """p ? x * 0 : (guard ? (pred ? x + 1 : x - 1) : x * 3): a three-level
     tree whose middle predicate is safe and whose innermost may raise."""

@@ -73,6 +73,7 @@ from branchyard._compat import HAS_SWITCH
 from branchyard.errors import MalformedGraphError
 from branchyard.fx.graph_walk import resolve_attr
 from branchyard.fx.mutation import has_effects
+from branchyard.fx.raise_free import may_raise
 
 __all__ = [
     "COND",
@@ -679,15 +680,16 @@ def inline_graph(
 
 def erase_dead_inputs(graph: Graph, nodes: Sequence[Any]) -> None:
     """Erase ``nodes`` and, transitively, their inputs once they have no
-    users left and no side effects (the predicate chain of a replaced cond;
-    :func:`branchyard.fx.mutation.has_effects`: a train-mode batch norm, ``x.add_(1)``
-    as a method stay)."""
+    users left, no side effects (:func:`branchyard.fx.mutation.has_effects`:
+    a train-mode batch norm, ``x.add_(1)`` as a method stay) and cannot raise
+    (:func:`branchyard.fx.raise_free.may_raise`: an unused operand that might
+    raise is still computed, as the original computed it)."""
     work = [n for n in nodes if isinstance(n, Node)]
     while work:
         n = work.pop()
         if n.users or n.op not in ("call_function", "call_method") or n.graph is not graph:
             continue
-        if has_effects(n):
+        if has_effects(n) or may_raise(n):
             continue
         inputs = n.all_input_nodes
         graph.erase_node(n)

@@ -75,6 +75,7 @@ from branchyard.passes.cond_tree import (
 from branchyard.fx.control_flow import (
     AttrSink,
     emit,
+    erase_dead_inputs,
     inline_graph,
     is_cond,
     new_graph_module,
@@ -84,7 +85,6 @@ from branchyard.fx.control_flow import (
 from branchyard.fx.graph_walk import rewrite_graphs
 from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
 from branchyard.passes.flatten_cost import FlattenCostModel
-from branchyard.passes.raise_free import may_raise
 
 __all__ = ["CondToSwitch", "cond_to_switch", "find_cond_trees", "CondTree", "inductor_pre_grad_pass"]
 
@@ -164,20 +164,6 @@ def _dispatch_index(plan: _Plan, hoist: _Hoister, like: Node) -> Node:
     return emit(graph, aten.remainder.Scalar, (x, n + 1), like=like)
 
 
-def _erase_dead_raise_free(graph: torch.fx.Graph, nodes: list[Any]) -> None:
-    """Erase ``nodes`` and, transitively, their inputs once unused -- but only
-    nodes that can never raise: an unused predicate or operand that might
-    raise is still computed, as the original computed it."""
-    work = [n for n in nodes if isinstance(n, Node)]
-    while work:
-        n = work.pop()
-        if n.users or n.graph is not graph or n.op not in ("call_function", "call_method") or may_raise(n):
-            continue
-        inputs = n.all_input_nodes
-        graph.erase_node(n)
-        work.extend(inputs)
-
-
 def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
     """Replace ``tree.root`` by one switch (or, when every leaf is identical, by the leaf itself)."""
     plan = checked(tree._plan, "a cond tree's rewrite plan", where="cond_to_switch")
@@ -212,7 +198,7 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
     if result is not None:
         root.replace_all_uses_with(result)
     graph.erase_node(root)
-    _erase_dead_raise_free(graph, [plan.root.parts.pred, *plan.root.parts.operands])
+    erase_dead_inputs(graph, [plan.root.parts.pred, *plan.root.parts.operands])
     for attr in (plan.root.parts.true_attr, plan.root.parts.false_attr):
         if not attr.users:
             dead_attrs.add(str(attr.target))

@@ -69,7 +69,7 @@ from branchyard.fx.control_flow import (
 )
 from branchyard.fx.graph_walk import iter_graph_modules
 from branchyard.passes.leaf_dedup import group_identical
-from branchyard.passes.raise_free import may_raise, raise_reason
+from branchyard.fx.raise_free import may_raise, raise_reason
 
 if TYPE_CHECKING:  # pragma: no cover
     from branchyard.passes.flatten_cost import FlattenCostModel

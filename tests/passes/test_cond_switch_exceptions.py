@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.passes import CondToSwitch, cond_to_switch
 from branchyard.fx.control_flow import is_cond, is_switch
-from branchyard.passes.raise_free import RAISE_FREE, raise_reason
+from branchyard.fx.raise_free import RAISE_FREE, raise_reason
 
 cond = torch.cond
 aten = torch.ops.aten

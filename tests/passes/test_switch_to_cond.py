@@ -175,3 +175,70 @@ def test_symint_index_from_a_dynamic_shape():
     for n in range(1, 9):
         x = torch.randn(n, 2)
         torch.testing.assert_close(low.module()(x), reference(3, n - 3, x), msg=f"n={n}")
+
+
+def _switch_with_an_unread_operand_that_may_raise(n_branches: int):
+    """``switch(i, branches, (x, embedding(t, j)))`` where no branch reads the
+    embedding: built by hand, since make_fx and export drop unread operands."""
+    import operator
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    root = torch.nn.Module()
+    ex = (torch.ones(3), torch.randn(3))
+    def branch(k):
+        return lambda x, e: (x * (k + 1),)
+
+    for k in range(n_branches):
+        setattr(root, f"b{k}", make_fx(branch(k))(*ex))
+    g = torch.fx.Graph()
+    i, x, j, t = (g.placeholder(name) for name in ("i", "x", "j", "t"))
+    e = g.call_function(torch.ops.aten.embedding.default, (t, j))
+    sw = g.call_function(torch.ops.higher_order.switch,
+                         (i, [g.get_attr(f"b{k}") for k in range(n_branches)], (x, e)))
+    g.output(g.call_function(operator.getitem, (sw, 0)))
+    return torch.fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("n_branches", [1, 2, 5])
+def test_an_unread_operand_that_may_raise_still_raises_after_lowering(n_branches):
+    """Lowering erases the switch's dead inputs only where they cannot raise:
+    an out-of-range embedding no branch reads raises before and after."""
+    gm = _switch_with_an_unread_operand_that_may_raise(n_branches)
+    table = torch.randn(5, 3)
+    lowered = switch_to_cond(copy.deepcopy(gm))
+    assert sum(n.target is torch.ops.aten.embedding.default for n in lowered.graph.nodes) == 1
+    for j, raises in ((torch.tensor(7), True), (torch.tensor(2), False)):
+        for i in range(n_branches):  # in range: torch's switch itself raises outside it
+            args = (torch.tensor(i), torch.ones(3), j, table)
+            if raises:
+                with pytest.raises(IndexError):
+                    gm(*args)
+                with pytest.raises(IndexError):
+                    lowered(*args)
+            else:
+                torch.testing.assert_close(lowered(*args), gm(*args))
+
+
+def _size(program) -> tuple[int, int]:
+    """(placeholders, nodes) over the program's graph and every subgraph."""
+    graphs = [m.graph for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    return (sum(n.op == "placeholder" for g in graphs for n in g.nodes), sum(len(g.nodes) for g in graphs))
+
+
+@pytest.mark.parametrize("name, size", [("expert-dispatch", 2), ("expert-dispatch", 5), ("expert-dispatch", 16),
+                                        ("cond-tree", 1), ("cond-tree", 3), ("cond-tree", 5)])
+def test_the_round_trip_size_is_what_docs_passes_says(name, size):
+    """docs/passes.md: an idx == k chain comes back no bigger; a tree a little bigger
+    (its depth-3 figures are quoted there)."""
+    from branchyard.examples import example_program
+    from branchyard.passes.cond_to_switch import cond_to_switch
+
+    program = example_program(name, size)
+    before, after = _size(program), _size(switch_to_cond(cond_to_switch(program)))
+    if name == "expert-dispatch":
+        assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+    else:
+        assert after[0] <= before[0] * 1.02 and after[1] <= before[1] * 1.05, (before, after)
+    if (name, size) == ("cond-tree", 3):
+        assert (before, after) == ((142, 193), (144, 201))

@@ -116,6 +116,9 @@ def test_rewrite_round_trip_through_two_passes(dispatch_pt2, tmp_path, capsys):
         (["rewrite", "{good}", "-o", "{out}", "--passes", " , "], "--passes is empty"),
         (["rewrite", "{good}", "-o", "{nodir}", "--passes", "cond_to_switch"], "output folder does not exist"),
         (["example", "expert-dispatch", "-o", "{out}", "--size", "1"], "needs experts >= 2, got 1"),
+        (["example", "expert-dispatch", "-o", "{out}", "--size", "600"],
+         "is built up to experts = 256 (256 experts), got 600"),
+        (["example", "cond-tree", "-o", "{out}", "--size", "40"], "is built up to depth = 8 (256 experts), got 40"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(argv, message, dispatch_pt2, tmp_path, capsys):

@@ -173,6 +173,9 @@ class ExampleSpec:
     size_name: str
     default_size: int
     summary: str
+    #: the largest size built: 256 experts either way (deeper nesting exhausts
+    #: Python's recursion in torch's serializer; a tree doubles per level)
+    max_size: int = 256
 
 
 #: CLI name -> example. ``size`` is the expert count or the tree depth.
@@ -196,6 +199,7 @@ EXAMPLES: dict[str, ExampleSpec] = {
             "depth",
             3,
             "experts[idx](x) as a balanced binary torch.cond tree (2**size - 1 conds)",
+            max_size=8,
         ),
     )
 }
@@ -245,6 +249,10 @@ def example_program(name: str, size: int | None = None, dim: int = 16) -> Export
         raise BranchyardError(
             f"example {name!r} needs {spec.size_name} >= {2 if spec.split == 'chain' else 1}, got {size}"
         )
+    if size > spec.max_size:
+        raise BranchyardError(
+            f"example {name!r} is built up to {spec.size_name} = {spec.max_size} "
+            f"({spec.num_experts(spec.max_size)} experts), got {size}")
     return build_dispatch_program(spec.num_experts(size), dim=dim, split=spec.split)
 
 

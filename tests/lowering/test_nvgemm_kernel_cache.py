@@ -149,6 +149,34 @@ def test_a_build_that_raises_publishes_nothing(tmp_path):
     assert cache.check(KEY) == "absent"
 
 
+@pytest.mark.parametrize("where", ["build", "load"])
+def test_an_os_error_of_the_build_or_load_is_the_callers_not_the_disks(tmp_path, where):
+    """A missing ptxas or a failed dlopen raises an OSError from the caller's
+    build or load: it reaches the caller once, and the disk cache stays on."""
+    cache = KernelCache(tmp_path, env=ENV)
+    calls = []
+
+    def build(d):
+        calls.append("build")
+        if where == "build":
+            raise FileNotFoundError(2, "No such file or directory", "ptxas")
+        (d / "kernel.o").write_bytes(b"x")
+
+    def load(d):
+        calls.append("load")
+        raise OSError("kernel.o: undefined symbol: cuTensorMapEncodeTiled")
+
+    error = FileNotFoundError if where == "build" else OSError
+    with pytest.raises(error, match="ptxas" if where == "build" else "undefined symbol"):
+        cache.get_or_build(KEY, build, load)
+    assert cache.disk_error is None
+    assert calls.count("build") == 1
+    good = Builder()
+    other = {**KEY, "config": "t64x64_c1x1_o1"}
+    assert cache.get_or_build(other, good.build, good.load) == b"cubin-bytes"
+    assert cache.check(other) is None and good.builds == 1, "the good kernel is on disk"
+
+
 # --- compiled CuTeDSL kernels in the cache (cutedsl_gemm), with a fake compiler ---------
 
 import torch  # noqa: E402
@@ -377,3 +405,24 @@ def test_real_cutedsl_kernel_exports_and_loads_without_compiling(tmp_path, monke
     third = KernelCache(tmp_path)
     kernel(third).variant(("bfloat16",))
     assert third.stats == {"hits": 0, "builds": 1, "rebuilt": 1} and len(compiled) == 2
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_winner_database_is_damage_not_a_hang(tmp_path, caplog):
+    """Reading a FIFO blocks until a writer comes: the store treats anything
+    but a regular file as damage, as it does a directory there."""
+    import os
+
+    from branchyard.lowering.nvgemm.store import JsonDamage, read_json
+    from branchyard.lowering.nvgemm.winners import WinnerDB
+
+    db = WinnerDB(tmp_path)
+    os.mkfifo(db.path)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(damage=read_json(db.path), entry=db.get("k")), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        reader.start()
+        reader.join(20)
+    assert not reader.is_alive(), "reading the FIFO blocked"
+    assert isinstance(got["damage"], JsonDamage) and "FIFO" in got["damage"].reason
+    assert got["entry"] is None and any("damaged" in r.getMessage() for r in caplog.records)

@@ -179,14 +179,18 @@ class KernelCache:
             return None, f"load failed ({type(exc).__name__}: {exc})", build_id
 
     def get_or_build(self, key: Mapping[str, Any], build: Callable[[Path], None], load: Callable[[Path], T]) -> T:
-        """The kernel for ``key`` (see the module docstring)."""
+        """The kernel for ``key`` (see the module docstring). What ``build`` or
+        ``load`` raise reaches the caller as it was raised."""
         digest = self.digest(key)
         if digest in self._memory:
             return self._memory[digest]
         with self._lock(digest):
             if digest in self._memory:
                 return self._memory[digest]
-            kernel = self._get_or_build(digest, key, build, load)
+            try:
+                kernel = self._get_or_build(digest, key, _Guarded(build), _Guarded(load))
+            except _CallerError as exc:
+                raise exc.error from exc.error.__cause__
             self._memory[digest] = kernel
             return kernel
 
@@ -258,6 +262,30 @@ class KernelCache:
         tmp = self._staged(key, build, Path(tempfile.mkdtemp(prefix="branchyard-kernel-")))
         self.stats["builds"] += 1
         return load(tmp)
+
+
+class _CallerError(Exception):
+    """An OSError raised by the caller's ``build`` or ``load``, carried past the
+    cache's own ``except OSError`` (which means: the cache folder is not
+    writable) so that a missing ``ptxas`` or a failed ``dlopen`` is not taken
+    for a disk problem that turns the disk cache off."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Guarded:
+    """``fn`` with its OSErrors raised as :class:`_CallerError`."""
+
+    def __init__(self, fn: Callable[[Path], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, path: Path) -> Any:
+        try:
+            return self.fn(path)
+        except OSError as exc:
+            raise _CallerError(exc) from exc
 
 
 _DEFAULTS: dict[Path, KernelCache] = {}

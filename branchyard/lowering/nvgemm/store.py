@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,11 @@ def read_json(path: Path) -> Any:
     """The parsed content of ``path``; ``None`` if it does not exist; a
     :class:`JsonDamage` if it exists but is not a readable JSON document."""
     try:
+        kind = os.stat(path).st_mode
+        if stat.S_ISDIR(kind):
+            return JsonDamage("a directory stands where the file should be")
+        if not stat.S_ISREG(kind):  # a FIFO would block the read forever
+            return JsonDamage("a FIFO, device or socket stands where the file should be")
         text = path.read_text()
     except FileNotFoundError:
         return None

@@ -176,6 +176,7 @@ class KernelCache:
         try:
             return load(entry), None, build_id
         except Exception as exc:  # the files are intact but do not load (or vanished meanwhile)
+            exc = exc.error if isinstance(exc, _CallerError) else exc
             return None, f"load failed ({type(exc).__name__}: {exc})", build_id
 
     def get_or_build(self, key: Mapping[str, Any], build: Callable[[Path], None], load: Callable[[Path], T]) -> T:

@@ -36,7 +36,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterator, Union
@@ -44,6 +43,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Union
 import torch
 from torch.export import ExportedProgram
 
+from branchyard._owned_tempdirs import make_owned_tempdir
 from branchyard.errors import SerializationError
 
 __all__ = ["CODE_PATHS", "CodePath", "read_program", "write_atomically", "TRUST_HINT"]
@@ -463,7 +463,7 @@ def write_atomically(path: PathLike, write: Callable[[str], None]) -> None:
                 f"is not a regular file ({_FILE_KINDS.get(stat.S_IFMT(kind), 'special file')}); "
                 "refusing to replace it", where=_where(path), hint="give the path of a file to write")
     folder = os.path.dirname(target)
-    tmpdir = tempfile.mkdtemp(prefix=".by-", suffix=".tmp", dir=folder)  # short: the target's name goes inside
+    tmpdir = make_owned_tempdir(folder, ".by-")  # short: the target's name goes inside
     tmp = os.path.join(tmpdir, os.path.basename(target))
     try:
         write(tmp)

@@ -48,6 +48,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
+from branchyard._owned_tempdirs import make_owned_tempdir
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.environment import environment
 from branchyard.lowering.nvgemm.store import JsonDamage, atomic_write_text, cache_dir, file_lock, read_json, remove_path
@@ -230,7 +231,7 @@ class KernelCache:
 
     def _staged(self, key: Mapping[str, Any], build: Callable[[Path], None], parent: Path) -> Path:
         """Build into a fresh directory under ``parent``, with its manifest; return it."""
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=parent))
+        tmp = Path(make_owned_tempdir(parent, ".build-"))
         try:
             build(tmp)
             files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
@@ -250,7 +251,7 @@ class KernelCache:
         tmp = self._staged(key, build, self.root)
         try:
             if entry.exists() or entry.is_symlink():
-                trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=self.root))
+                trash = Path(make_owned_tempdir(self.root, ".trash-"))
                 os.rename(entry, trash / "old")
                 remove_path(trash)
             os.rename(tmp, entry)

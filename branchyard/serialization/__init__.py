@@ -37,7 +37,7 @@ from torch.export import ExportedProgram
 
 from branchyard._compat import TORCH_VERSION
 from branchyard.errors import BranchyardError, SerializationError
-from branchyard.serialization.archive import CODE_PATHS, TRUST_HINT, read_program, write_atomically
+from branchyard.serialization.archive import CODE_PATHS, TRUST_HINT, read_program, special_file_kind, write_atomically
 from branchyard.serialization.switch_codec import (
     FORMAT,
     MARKER_KEY,
@@ -144,9 +144,8 @@ def load(path: PathLike | io.BytesIO, *, trusted: bool = False) -> ExportedProgr
             raise SerializationError("is a directory, not a .pt2 file", where=where, hint="give the path of a .pt2 file")
         if not os.path.exists(path):
             raise SerializationError("no such file", where=where, hint="check the path")
-        if not os.path.isfile(path):
-            raise SerializationError("is not a regular file (a device, FIFO or socket)", where=where,
-                                     hint="give the path of a .pt2 file")
+        if (kind := special_file_kind(path)) is not None:
+            raise SerializationError(f"is not a regular file ({kind})", where=where, hint="give the path of a .pt2 file")
         if not os.access(path, os.R_OK):
             raise SerializationError("cannot be read (permission denied)", where=where,
                                      hint="check the file's permissions")

@@ -46,7 +46,7 @@ from torch.export import ExportedProgram
 from branchyard._owned_tempdirs import make_owned_tempdir
 from branchyard.errors import SerializationError
 
-__all__ = ["CODE_PATHS", "CodePath", "read_program", "write_atomically", "TRUST_HINT"]
+__all__ = ["CODE_PATHS", "CodePath", "read_program", "special_file_kind", "write_atomically", "TRUST_HINT"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 FileLike = Union[PathLike, BinaryIO]
@@ -444,6 +444,16 @@ _FILE_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFCHR: "a character device", sta
                stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket"}
 
 
+def special_file_kind(path: PathLike) -> str | None:
+    """What stands at ``path`` (links followed) when it is not a regular file
+    (``"a FIFO"``, ...); ``None`` for a regular file or nothing at all."""
+    try:
+        kind = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    return None if stat.S_ISREG(kind) else _FILE_KINDS.get(stat.S_IFMT(kind), "a special file")
+
+
 def write_atomically(path: PathLike, write: Callable[[str], None]) -> None:
     """Call ``write(tmp)`` on a fresh path in ``path``'s folder, then move it
     onto ``path``; if ``write`` raises, ``path`` is untouched and the temporary
@@ -456,12 +466,9 @@ def write_atomically(path: PathLike, write: Callable[[str], None]) -> None:
     file (a device, a FIFO, a socket) is refused, since replacing it with a
     file is not what writing to it means."""
     target = os.path.realpath(os.fspath(path))
-    with contextlib.suppress(FileNotFoundError):
-        kind = os.stat(target).st_mode
-        if not stat.S_ISREG(kind):
-            raise SerializationError(
-                f"is not a regular file ({_FILE_KINDS.get(stat.S_IFMT(kind), 'special file')}); "
-                "refusing to replace it", where=_where(path), hint="give the path of a file to write")
+    if (kind := special_file_kind(target)) is not None:
+        raise SerializationError(f"is not a regular file ({kind}); refusing to replace it", where=_where(path),
+                                 hint="give the path of a file to write")
     folder = os.path.dirname(target)
     tmpdir = make_owned_tempdir(folder, ".by-")  # short: the target's name goes inside
     tmp = os.path.join(tmpdir, os.path.basename(target))

@@ -109,9 +109,7 @@ def read_json(path: Path) -> Any:
     :class:`JsonDamage` if it exists but is not a readable JSON document."""
     try:
         kind = os.stat(path).st_mode
-        if stat.S_ISDIR(kind):
-            return JsonDamage("a directory stands where the file should be")
-        if not stat.S_ISREG(kind):  # a FIFO would block the read forever
+        if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind)):  # a FIFO would block the read forever
             return JsonDamage("a FIFO, device or socket stands where the file should be")
         text = path.read_text()
     except FileNotFoundError:

@@ -222,8 +222,8 @@ def test_an_unread_operand_that_may_raise_still_raises_after_lowering(n_branches
 
 def _size(program) -> tuple[int, int]:
     """(placeholders, nodes) over the program's graph and every subgraph."""
-    graphs = [m.graph for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
-    return (sum(n.op == "placeholder" for g in graphs for n in g.nodes), sum(len(g.nodes) for g in graphs))
+    nodes = list(all_nodes(program.graph_module))
+    return sum(n.op == "placeholder" for n in nodes), len(nodes)
 
 
 @pytest.mark.parametrize("name, size", [("expert-dispatch", 2), ("expert-dispatch", 5), ("expert-dispatch", 16),

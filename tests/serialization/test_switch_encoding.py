@@ -516,8 +516,8 @@ def test_a_float_index_written_into_the_file_is_refused_not_restored(five):
     must not load as a switch (which would truncate 1.5 to branch 1 where the
     stored cond tree picks branch 2)."""
     ep, data = five
-    doc = json.loads(zipfile.ZipFile(io.BytesIO(data)).read(
-        next(n for n in zipfile.ZipFile(io.BytesIO(data)).namelist() if n.endswith("models/model.json"))))
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        doc = json.loads(archive.read(next(n for n in archive.namelist() if n.endswith("models/model.json"))))
     values = doc["graph_module"]["graph"]["tensor_values"]
     assert {"idx", "clamp"} <= set(values), sorted(values)
     float32 = values["x"]["dtype"] if "x" in values else 7

@@ -294,14 +294,21 @@ def ratios(row: dict) -> dict[str, float | None]:
     ran side by side, so a clock drifting between rounds cancels), else the
     ratio of the columns."""
     out = {}
-    rounds = row.get("rounds", {})
+    per_round = round_ratios(row)
     for name, num, den, _ in TARGETS:
         a, b = row.get(num), row.get(den)
-        if num in rounds and den in rounds:
-            out[name] = statistics.median(x / y for x, y in zip(rounds[num], rounds[den]))
+        if name in per_round:
+            out[name] = statistics.median(per_round[name])
         else:
             out[name] = (a / b) if isinstance(a, float) and isinstance(b, float) and b > 0 else None
     return out
+
+
+def round_ratios(row: dict) -> dict[str, list[float]]:
+    """Each target's round-by-round ratios, where both its columns have rounds."""
+    rounds = row.get("rounds", {})
+    return {name: [x / y for x, y in zip(rounds[num], rounds[den])]
+            for name, num, den, _ in TARGETS if num in rounds and den in rounds}
 
 
 def report(rows: list[dict], markdown: bool) -> str:
@@ -421,11 +428,9 @@ def row_record(row: dict) -> dict:
     """``row`` as JSON data: the rounds behind each median, and for each target its
     ratio with the round-by-round ratios it is the median of (where both columns
     have rounds), so a ratio that disagrees with the columns' medians can be read."""
-    rounds = row.get("rounds", {})
     record = {k: (sorted(v) if isinstance(v, set) else v) for k, v in row.items()}
     record["ratios"] = ratios(row)
-    record["round_ratios"] = {name: [x / y for x, y in zip(rounds[num], rounds[den])]
-                              for name, num, den, _ in TARGETS if num in rounds and den in rounds}
+    record["round_ratios"] = round_ratios(row)
     return record
 
 

@@ -426,3 +426,66 @@ def test_a_fifo_in_place_of_the_winner_database_is_damage_not_a_hang(tmp_path, c
     assert not reader.is_alive(), "reading the FIFO blocked"
     assert isinstance(got["damage"], JsonDamage) and "FIFO" in got["damage"].reason
     assert got["entry"] is None and any("damaged" in r.getMessage() for r in caplog.records)
+
+
+# --- the cache's own folders -------------------------------------------------
+
+@pytest.mark.parametrize("folder", ["kernels", ".locks"])
+def test_a_file_where_a_cache_folder_should_be_is_removed_and_the_disk_kept(tmp_path, folder, caplog):
+    (tmp_path / folder).write_text("stray")
+    cache = KernelCache(tmp_path, env=ENV)
+    b = Builder()
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        assert cache.get_or_build(KEY, b.build, b.load) == b"cubin-bytes"
+    assert cache.disk_error is None and cache.check(KEY) is None
+    assert (tmp_path / folder).is_dir()
+    assert f"something other than a folder stood at {tmp_path / folder}" in caplog.text
+    # the next process finds the kernel on disk
+    again = Builder()
+    assert KernelCache(tmp_path, env=ENV).get_or_build(KEY, again.build, again.load) == b"cubin-bytes"
+    assert again.builds == 0
+
+
+def test_a_link_where_a_cache_folder_should_be_is_left_alone(tmp_path, caplog):
+    (tmp_path / "kernels").symlink_to(tmp_path / "unmounted-disk")
+    cache = KernelCache(tmp_path, env=ENV)
+    b = Builder()
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        assert cache.get_or_build(KEY, b.build, b.load) == b"cubin-bytes"
+    assert (tmp_path / "kernels").is_symlink() and not (tmp_path / "unmounted-disk").exists()
+    assert cache.disk_error is not None and "cannot write the kernel cache" in caplog.text
+
+
+def test_an_unwritable_cache_keeps_its_kernels_in_one_private_folder_removed_at_exit(tmp_path):
+    """Kernels built while the cache folder cannot be written go to one folder
+    of this process in the system's temporary folder, which goes at exit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the cache folder should be")
+    script = textwrap.dedent(f"""
+        import os, sys
+        from branchyard.lowering.nvgemm.kernel_cache import KernelCache
+        cache = KernelCache({str(blocker / "nvgemm")!r}, env={{"gpu": "x"}})
+        def build(d):
+            (d / "kernel.o").write_bytes(b"k")
+        for i in range(3):
+            assert cache.get_or_build({{"k": i}}, build, lambda d: (d / "kernel.o").read_bytes()) == b"k"
+        print(sorted(os.listdir({str(tmp)!r})), cache.stats["builds"])
+        sys.stdout.flush()
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), 9)
+    """)
+    env = {**__import__("os").environ, "TMPDIR": str(tmp)}
+    out = subprocess.run([sys.executable, "-c", script, "exit"], env=env, capture_output=True, text=True, check=True)
+    during, builds = out.stdout.rsplit(" ", 1)
+    assert len(eval(during)) == 1 and eval(during)[0].startswith(kc.PRIVATE_PREFIX) and builds.strip() == "3"
+    assert list(tmp.iterdir()) == [], "removed at exit"
+    killed = subprocess.run([sys.executable, "-c", script, "kill"], env=env, capture_output=True, text=True)
+    assert killed.returncode == -9 and len(list(tmp.iterdir())) == 1, "a SIGKILL leaves its folder"
+    subprocess.run([sys.executable, "-c", script, "exit"], env=env, capture_output=True, text=True, check=True)
+    assert list(tmp.iterdir()) == [], "the next process removed the dead one's folder"

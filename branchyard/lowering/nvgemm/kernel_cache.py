@@ -20,9 +20,11 @@ process may have published it meanwhile: the loser of a race uses the
 winner's entry) and only then builds. A build happens in a private
 temporary directory and is renamed into place under that lock, the old
 entry first renamed into a private trash directory, so a reader sees a whole
-entry or none. A cache folder that cannot be written is no error either: the
-kernel is built into a private temporary folder and kept in memory, with
-one warning.
+entry or none. Something other than a folder where ``kernels/`` or
+``.locks/`` should be is removed, with a warning. A cache folder that cannot
+be written is no error either: the kernel is built into the process's
+private temporary folder (removed at exit, or by the next process if this
+one is killed) and kept in memory, with one warning.
 
     >>> import tempfile, pathlib
     >>> cache = KernelCache(tempfile.mkdtemp(), env={"gpu": "doc"})
@@ -37,6 +39,7 @@ one warning.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -51,7 +54,15 @@ from typing import Any, Callable, Mapping, TypeVar
 from branchyard._owned_tempdirs import make_owned_tempdir
 from branchyard.errors import LoweringError
 from branchyard.lowering.nvgemm.environment import environment
-from branchyard.lowering.nvgemm.store import JsonDamage, atomic_write_text, cache_dir, file_lock, read_json, remove_path
+from branchyard.lowering.nvgemm.store import (
+    JsonDamage,
+    atomic_write_text,
+    cache_dir,
+    ensure_folder,
+    file_lock,
+    read_json,
+    remove_path,
+)
 
 __all__ = ["KernelCache", "MANIFEST", "KERNEL_CACHE_SCHEMA", "default_kernel_cache"]
 
@@ -61,6 +72,9 @@ T = TypeVar("T")
 
 KERNEL_CACHE_SCHEMA = 2
 MANIFEST = "manifest.json"
+#: Name prefix of the private folder (in the system's temporary folder) of a
+#: process whose cache folder cannot be written.
+PRIVATE_PREFIX = "branchyard-kernels-"
 
 
 def _sha256(path: Path) -> str:
@@ -100,6 +114,7 @@ class KernelCache:
         self.stats = {"hits": 0, "builds": 0, "rebuilt": 0}
         #: Why the disk is not used (``None`` while it is).
         self.disk_error: str | None = None
+        self._private: Path | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -205,6 +220,7 @@ class KernelCache:
                 self.stats["hits"] += 1
                 return kernel  # type: ignore[return-value]
             try:
+                self._own_folder(self.locks)
                 with file_lock(self.locks / f"{digest}.lock"):
                     return self._locked_get_or_build(key, entry, build, load, problem, failed_build)
             except OSError as exc:
@@ -247,7 +263,7 @@ class KernelCache:
 
     def _publish(self, key: Mapping[str, Any], entry: Path, build: Callable[[Path], None]) -> None:
         """Build and rename into place (the caller holds the key's lock)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._own_folder(self.root)
         tmp = self._staged(key, build, self.root)
         try:
             if entry.exists() or entry.is_symlink():
@@ -259,9 +275,16 @@ class KernelCache:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
 
+    def _own_folder(self, folder: Path) -> None:
+        if ensure_folder(folder):
+            logger.warning("nvgemm: something other than a folder stood at %s; removed it", folder)
+
     def _build_private(self, key: Mapping[str, Any], build: Callable[[Path], None], load: Callable[[Path], T]) -> T:
-        """Build into a private temporary folder (the cache folder is not writable)."""
-        tmp = self._staged(key, build, Path(tempfile.mkdtemp(prefix="branchyard-kernel-")))
+        """Build into this process's private folder (the cache folder is not writable)."""
+        if self._private is None:
+            self._private = Path(make_owned_tempdir(tempfile.gettempdir(), PRIVATE_PREFIX))
+            atexit.register(shutil.rmtree, self._private, ignore_errors=True)
+        tmp = self._staged(key, build, self._private)
         self.stats["builds"] += 1
         return load(tmp)
 

@@ -41,6 +41,7 @@ __all__ = [
     "JsonDamage",
     "atomic_write_text",
     "cache_dir",
+    "ensure_folder",
     "file_lock",
     "read_json",
     "remove_path",
@@ -77,6 +78,20 @@ def atomic_write_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def ensure_folder(path: Path) -> bool:
+    """Make the folder ``path`` (and its parents). A file, FIFO, device or
+    socket standing at ``path`` itself is removed first; a link is left alone
+    (it may point to a disk not mounted now). Only for folders the cache owns
+    by name, never one the user named. ``True`` when something was removed.
+    Raises ``OSError`` when the folder cannot be made."""
+    removed = False
+    if os.path.lexists(path) and not path.is_symlink() and not path.is_dir():
+        remove_path(path)
+        removed = True
+    path.mkdir(parents=True, exist_ok=True)
+    return removed
 
 
 @contextlib.contextmanager

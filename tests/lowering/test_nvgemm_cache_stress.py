@@ -240,3 +240,23 @@ def test_an_unwritable_cache_folder_runs_in_memory_with_one_warning(tmp_path, ca
             assert cache.get_or_build(key, _build(key), _load) == _payload(key)
     assert sum("cannot write the kernel cache" in r.getMessage() for r in caplog.records) == 1
     assert cache.stats["builds"] == len(KEYS)
+
+
+def test_the_default_winner_db_follows_a_changed_cache_dir(tmp_path, monkeypatch, caplog):
+    """Without a folder of its own, the database is where BRANCHYARD_CACHE_DIR
+    says at each use, and a folder that could not be written does not keep a
+    later, writable one off the disk."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(blocker))
+    db = WinnerDB()
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        db.put("k1", {"winner": "ours"})
+    assert db.disk_error is not None and "cannot write the winner database" in caplog.text
+    monkeypatch.setenv("BRANCHYARD_CACHE_DIR", str(tmp_path / "second"))
+    assert db.disk_error is None and db.directory == tmp_path / "second" / "nvgemm"
+    db.put("k2", {"winner": "cublas"})
+    on_disk = json.loads((tmp_path / "second" / "nvgemm" / WinnerDB.FILE).read_text())["entries"]
+    assert sorted(on_disk) == ["k2"]
+    assert WinnerDB(tmp_path / "second" / "nvgemm").get("k2")["winner"] == "cublas"
+    assert db.get("k1")["winner"] == "ours", "what this process tuned stays known"

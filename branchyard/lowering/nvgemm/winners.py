@@ -47,30 +47,46 @@ def _checksum(payload: Mapping[str, Any]) -> str:
 
 
 class WinnerDB:
-    """Winners by key, on disk in ``directory`` (default :func:`cache_dir`),
-    in memory where the disk cannot be written."""
+    """Winners by key, on disk in ``directory``, in memory where the disk
+    cannot be written. Without ``directory``, :func:`cache_dir` at each use,
+    so a changed ``BRANCHYARD_CACHE_DIR`` takes effect (as for the kernel
+    cache): new winners go there, and a folder that could not be written
+    before is tried again there."""
 
     FILE = f"winners-v{SCHEMA_VERSION}.json"
     LOCK = f".winners-v{SCHEMA_VERSION}.lock"
 
     def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
-        self.directory = Path(directory) if directory is not None else cache_dir()
-        self.path = self.directory / self.FILE
+        self._fixed = Path(directory) if directory is not None else None
         self._memory: dict[str, dict[str, Any]] = {}
         self._guard = threading.Lock()
-        #: Why the disk is not used (``None`` while it is).
-        self.disk_error: str | None = None
+        self._errors: dict[Path, str] = {}
 
-    def _read(self) -> dict[str, Any]:
-        data = read_json(self.path)
+    @property
+    def directory(self) -> Path:
+        """The folder of the database file."""
+        return self._fixed if self._fixed is not None else cache_dir()
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self.directory / self.FILE
+
+    @property
+    def disk_error(self) -> str | None:
+        """Why the disk is not used (``None`` while it is)."""
+        return self._errors.get(self.directory)
+
+    def _read(self, path: Path) -> dict[str, Any]:
+        data = read_json(path)
         if data is None:
             return {}
         if isinstance(data, JsonDamage):
-            logger.warning("nvgemm: winner database %s is damaged (%s); rebuilding it", self.path, data.reason)
+            logger.warning("nvgemm: winner database %s is damaged (%s); rebuilding it", path, data.reason)
             return {}
         if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("entries"), dict):
             logger.warning(
-                "nvgemm: winner database %s is not a schema-%d file; rebuilding it", self.path, SCHEMA_VERSION
+                "nvgemm: winner database %s is not a schema-%d file; rebuilding it", path, SCHEMA_VERSION
             )
             return {}
         return data["entries"]
@@ -95,7 +111,8 @@ class WinnerDB:
         picked while a candidate was off (``BRANCHYARD_NVGEMM_INDUCTOR=0``, a
         per-process cap, an older version) says nothing about that
         candidate, so the problem is tuned again."""
-        entry = self._read().get(key) if self.disk_error is None else None
+        where = self.directory
+        entry = self._read(where / self.FILE).get(key) if where not in self._errors else None
         if entry is not None and not self._intact(entry):
             logger.warning("nvgemm: winner entry for %s is damaged; retuning", key)
             entry = None
@@ -125,21 +142,23 @@ class WinnerDB:
         body["checksum"] = _checksum(body)
         with self._guard:
             self._memory[key] = body
-        if self.disk_error is not None:
+        where = self.directory
+        if where in self._errors:
             return
         try:
-            with file_lock(self.directory / self.LOCK):
-                entries = self._read()
+            with file_lock(where / self.LOCK):
+                entries = self._read(where / self.FILE)
                 entries[key] = body
-                atomic_write_text(self.path, json.dumps({"schema": SCHEMA_VERSION, "entries": entries},
+                atomic_write_text(where / self.FILE, json.dumps({"schema": SCHEMA_VERSION, "entries": entries},
                                                         indent=1, sort_keys=True))
         except OSError as exc:
-            self.disk_error = f"{type(exc).__name__}: {exc}"
+            self._errors[where] = f"{type(exc).__name__}: {exc}"
             logger.warning("nvgemm: cannot write the winner database in %s (%s); this process keeps its "
-                           "winners in memory", self.directory, self.disk_error)
+                           "winners in memory", where, self._errors[where])
 
     def entries(self) -> dict[str, Any]:
         """Every stored entry (on disk, then this process's in-memory ones), keyed."""
-        out = self._read() if self.disk_error is None else {}
+        where = self.directory
+        out = self._read(where / self.FILE) if where not in self._errors else {}
         with self._guard:
             return {**self._memory, **out}

@@ -28,7 +28,8 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _plan(tmp_path: Path, steps: str, **extra: str) -> subprocess.CompletedProcess:
     root = tmp_path / "checkout"
-    root.mkdir(exist_ok=True)
+    (root / ".device" / "env").mkdir(parents=True, exist_ok=True)
+    (root / ".device" / "env" / "commit.txt").write_text("abc1234\n")
     (root / "marker.txt").write_text("from the checkout")
     (tmp_path / "steps.txt").write_text(steps)
     return subprocess.run(["bash", str(TOOLS / "plan.sh"), str(tmp_path / "steps.txt")], cwd=root,
@@ -61,6 +62,8 @@ slow 2.11 1 -- sleep 5
     _wait_done(tmp_path)
     tree, logs = tmp_path / "tree", tmp_path / "logs"
     assert (tree / "marker.txt").read_text() == "from the checkout"
+    assert (logs / "versions.txt").read_text().splitlines()[0] == "abc1234", "the commit the runs are of"
+    assert not (tree / ".device").exists(), "the staging is not copied"
     for name in ("first", "left", "right"):
         assert (tree / f"{name}.out").read_text() == str(tmp_path / "caches" / name)
     rcs = {name: (logs / f"{name}.rc").read_text().strip() for name in ("first", "left", "right", "after", "slow")}

@@ -19,7 +19,8 @@ mkdir -p "$logs" "$tree"
 tar --exclude=./.device --exclude=./.git -cf - . | (cd "$tree" && tar xf -)
 cp "$steps" "$logs/steps.txt"
 (set +e  # what is missing is recorded, not fatal
-  git -C "$root" rev-parse --short HEAD 2>/dev/null || cat "$root/.device/env/commit.txt" 2>/dev/null || echo "commit unknown"
+  # commit.txt first: a device copy's .git, if any, may be older than its files
+  cat "$root/.device/env/commit.txt" 2>/dev/null || git -C "$root" rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
   date -u
   for pp in "/opt/bydev/torch:$tree:$site" "$tree:$site"; do
     PYTHONPATH=$pp python3 -c "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())" 2>&1 | tail -1

@@ -71,7 +71,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import MalformedGraphError
-from branchyard.fx.graph_walk import resolve_attr
+from branchyard.fx.graph_walk import graph_path, note_subgraph, resolve_attr
 from branchyard.fx.mutation import has_effects
 from branchyard.fx.raise_free import may_raise
 
@@ -172,8 +172,12 @@ def is_while_loop(node: Node) -> bool:
 
 # --------------------------------------------------------------------------- taking nodes apart
 def describe_node(node: Node) -> str:
-    """``node 'name'``, for error messages."""
-    return f"node '{node.name}'"
+    """``node 'name'``, for error messages; below the root
+    ``node 'name' in graph 'true_graph_0'`` (see
+    :func:`~branchyard.fx.graph_walk.graph_path`), since every branch
+    names its nodes afresh."""
+    path = graph_path(node.graph.owning_module)
+    return f"node '{node.name}' in graph '{path}'" if path else f"node '{node.name}'"
 
 
 def node_value(node: Any) -> Any:
@@ -211,6 +215,7 @@ def _resolve_subgraph(owner: GraphModule, arg: Any, node: Node, what: str) -> Gr
             f"{what} '{arg.target}' is {type(obj).__name__}, not a torch.fx.GraphModule",
             where=describe_node(node),
         )
+    note_subgraph(owner, str(arg.target), obj)
     return obj
 
 

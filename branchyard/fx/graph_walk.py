@@ -9,6 +9,9 @@ owner. Every module that needs "each graph of the program" walks it here:
   parents before children, and drop the attributes the rewrites freed;
 * :func:`lint_graph_module` -- ``Graph.lint`` on all of them, failing with
   :class:`~branchyard.errors.MalformedGraphError` naming the graph;
+* :func:`graph_path` -- where a subgraph sits below the root the last walk
+  started from (``"true_graph_0.false_graph_0"``), so that an error can tell
+  apart nodes of the same name in different branches;
 * :func:`copy_graph_module` / :func:`realize_graph_modules` -- a copy that keeps
   node names and generates code once per module, and turning lazily compiled
   modules into eager ones (Dynamo will not trace a lazy module)::
@@ -23,6 +26,7 @@ owner. Every module that needs "each graph of the program" walks it here:
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,11 +37,38 @@ from branchyard.errors import MalformedGraphError
 __all__ = [
     "iter_graph_modules",
     "rewrite_graphs",
+    "graph_path",
+    "note_subgraph",
     "resolve_attr",
     "lint_graph_module",
     "copy_graph_module",
     "realize_graph_modules",
 ]
+
+
+#: Each subgraph's place below the root of the walk that last reached it.
+_PATHS: weakref.WeakKeyDictionary[GraphModule, str] = weakref.WeakKeyDictionary()
+
+
+def note_subgraph(owner: torch.nn.Module, name: str, child: GraphModule) -> None:
+    """Record that ``child`` is ``owner``'s attribute ``name`` (walks call this)."""
+    parent = _PATHS.get(owner, "") if isinstance(owner, GraphModule) else ""
+    _PATHS[child] = f"{parent}.{name}" if parent else name
+
+
+def graph_path(gm: GraphModule | None) -> str:
+    """Where ``gm`` sits below the root it was last reached from by a walk
+    (``"true_graph_0.body_graph_0"``); ``""`` for a root or a module no walk
+    reached.
+
+        >>> import torch
+        >>> def f(p, x):
+        ...     return torch.cond(p, lambda x: x + 1, lambda x: x - 1, (x,))
+        >>> gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.tensor(True), torch.ones(2))
+        >>> [graph_path(m) for m in iter_graph_modules(gm)]
+        ['', 'true_graph_0', 'false_graph_0']
+    """
+    return _PATHS.get(gm, "") if gm is not None else ""
 
 
 def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iterator[GraphModule]:
@@ -60,7 +91,11 @@ def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iter
             stack.append((m, True))
         else:
             yield m
-        stack.extend(reversed([(c, False) for c in m.children() if isinstance(c, GraphModule)]))
+        children = [(name, c) for name, c in m.named_children() if isinstance(c, GraphModule)]
+        for name, c in children:
+            if id(c) not in seen:
+                note_subgraph(m, name, c)
+        stack.extend(reversed([(c, False) for _, c in children]))
 
 
 def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[str]], bool],
@@ -82,8 +117,10 @@ def rewrite_graphs(gm: GraphModule, rewrite: Callable[[GraphModule, Node, set[st
         live = {str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
         for name in dead - live:
             delattr(gm, name)
-    for child in list(gm.children()):
+    for name, child in list(gm.named_children()):
         if isinstance(child, GraphModule):
+            if id(child) not in seen:
+                note_subgraph(gm, name, child)
             changed |= rewrite_graphs(child, rewrite, seen)
     return changed
 

@@ -47,6 +47,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.passes.infra.pass_manager import PassManager
 
 from branchyard.errors import BranchyardError
+from branchyard.fx.control_flow import describe_node
 from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules, lint_graph_module, realize_graph_modules
 from branchyard.fx.mutation import has_effects
 
@@ -100,7 +101,7 @@ class PassReport:
 
 def _describe(where: Node | str) -> str:
     if isinstance(where, Node):
-        return f"node '{where.name}' ({where.op} {getattr(where.target, '__name__', where.target)})"
+        return f"{describe_node(where)} ({where.op} {getattr(where.target, '__name__', where.target)})"
     return str(where)
 
 

@@ -10,6 +10,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from branchyard.errors import MalformedGraphError
 from branchyard.fx.graph_walk import (
     copy_graph_module,
+    graph_path,
     iter_graph_modules,
     lint_graph_module,
     realize_graph_modules,
@@ -96,3 +97,46 @@ def test_lint_names_the_failing_subgraph():
     nodes[1].args = (nodes[2], 1)  # uses the output node's value before it exists
     with pytest.raises(MalformedGraphError, match="graph module 'GraphModule'.*|fails torch.fx lint"):
         lint_graph_module(root)
+
+
+def _nested_cond_program() -> torch.fx.GraphModule:
+    """A cond in each branch of a cond: three nodes named 'cond'."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(p, q, x):
+        def t(x):
+            return torch.cond(q, lambda x: x + 1, lambda x: x - 1, (x,))
+
+        def e(x):
+            return torch.cond(q, lambda x: x * 2, lambda x: x * 3, (x,))
+
+        return torch.cond(p, t, e, (x,))
+
+    return make_fx(f)(torch.tensor(True), torch.tensor(False), torch.randn(3))
+
+
+def test_graph_path_names_where_each_subgraph_sits_below_the_root():
+    gm = _nested_cond_program()
+    paths = [graph_path(m) for m in iter_graph_modules(gm)]
+    assert paths == ["", "true_graph_0", "true_graph_0.true_graph_0", "true_graph_0.false_graph_0",
+                     "false_graph_0", "false_graph_0.true_graph_0", "false_graph_0.false_graph_0"]
+    assert graph_path(torch.fx.symbolic_trace(lambda x: x + 1)) == "", "no walk reached it"
+
+
+@pytest.mark.parametrize("branch", ["true_graph_0", "false_graph_0"])
+def test_an_error_in_a_nested_cond_names_the_graph_it_is_in(branch):
+    """Every branch names its nodes afresh: 'cond' alone would not say which cond."""
+    from branchyard.passes import cond_to_switch
+
+    gm = _nested_cond_program()
+    inner = getattr(getattr(gm, branch), "false_graph_0")
+    out = next(n for n in inner.graph.nodes if n.op == "output")
+    x = out.args[0][0]
+    with inner.graph.inserting_before(out):
+        y = inner.graph.call_function(torch.ops.aten.to.dtype, (x, torch.float64))
+    y.meta["val"] = x.meta["val"].to(torch.float64)
+    out.args = ((y,),)
+    inner.recompile()
+    with pytest.raises(MalformedGraphError, match=rf"^node 'cond' in graph '{branch}': output 0 is torch.float32 "
+                                                  r"in true branch but torch.float64 in false branch"):
+        cond_to_switch(gm)

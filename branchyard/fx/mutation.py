@@ -51,7 +51,6 @@ what the read sees (:func:`nothing_written_between`).
 from __future__ import annotations
 
 import operator
-import types
 from dataclasses import dataclass
 from typing import Any
 

@@ -260,3 +260,33 @@ def test_the_default_winner_db_follows_a_changed_cache_dir(tmp_path, monkeypatch
     assert sorted(on_disk) == ["k2"]
     assert WinnerDB(tmp_path / "second" / "nvgemm").get("k2")["winner"] == "cublas"
     assert db.get("k1")["winner"] == "ours", "what this process tuned stays known"
+
+
+def _stray_race_worker(root: str, worker: int, barrier, results) -> None:
+    barrier.wait(timeout=30)
+    cache = KernelCache(root, env=ENV)
+    keys = [{"spec": f"w{worker}k{i}", "config": "t128x128"} for i in range(4)]
+    got = [cache.get_or_build(key, _build(key), _load) == _payload(key) for key in keys]
+    results.put((worker, all(got), cache.disk_error))
+
+
+@pytest.mark.parametrize("stray", ["kernels", ".locks"])
+def test_processes_that_find_a_stray_file_at_once_all_keep_the_disk(tmp_path, stray):
+    """Several processes find a file where a cache folder should be, at once:
+    whoever removes it, every process writes its kernels to disk, and none
+    removes a folder another made in its place (the repair unlinks, never
+    removes a tree)."""
+    ctx = multiprocessing.get_context("fork")
+    (tmp_path / stray).write_text("stray")
+    barrier, results = ctx.Barrier(WORKERS), ctx.Queue()
+    procs = [ctx.Process(target=_stray_race_worker, args=(str(tmp_path), w, barrier, results)) for w in range(WORKERS)]
+    for p in procs:
+        p.start()
+    outcome = sorted(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert outcome == [(w, True, None) for w in range(WORKERS)]
+    cache = KernelCache(tmp_path, env=ENV)
+    for w in range(WORKERS):
+        for i in range(4):
+            assert cache.check({"spec": f"w{w}k{i}", "config": "t128x128"}) is None, (w, i)

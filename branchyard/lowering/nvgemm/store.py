@@ -88,8 +88,11 @@ def ensure_folder(path: Path) -> bool:
     Raises ``OSError`` when the folder cannot be made."""
     removed = False
     if os.path.lexists(path) and not path.is_symlink() and not path.is_dir():
-        remove_path(path)
-        removed = True
+        try:  # unlink, never rmtree: another process may have made the folder meanwhile
+            path.unlink()
+            removed = True
+        except (FileNotFoundError, IsADirectoryError):
+            pass
     path.mkdir(parents=True, exist_ok=True)
     return removed
 

@@ -38,6 +38,8 @@ __all__ = [
     "iter_graph_modules",
     "rewrite_graphs",
     "graph_path",
+    "inherit_graph_path",
+    "name_graphs",
     "note_subgraph",
     "resolve_attr",
     "lint_graph_module",
@@ -46,27 +48,59 @@ __all__ = [
 ]
 
 
-#: Each subgraph's place below the root of the walk that last reached it.
+#: Each subgraph's place below the root, in the coordinates of the program a
+#: pass was given: named afresh by :func:`lint_graph_module` (every pass and
+#: pipeline lints its input first), inherited by copies, and kept while a
+#: rewrite moves the module (a module a rewrite makes gets its first place).
 _PATHS: weakref.WeakKeyDictionary[GraphModule, str] = weakref.WeakKeyDictionary()
 
 
-def note_subgraph(owner: torch.nn.Module, name: str, child: GraphModule) -> None:
-    """Record that ``child`` is ``owner``'s attribute ``name`` (walks call this)."""
+def note_subgraph(owner: torch.nn.Module, name: str, child: GraphModule, *, fresh: bool = False) -> None:
+    """Record that ``child`` is ``owner``'s attribute ``name``, unless it has a
+    place already (``fresh=True``: record it anyway)."""
+    if not fresh and child in _PATHS:
+        return
     parent = _PATHS.get(owner, "") if isinstance(owner, GraphModule) else ""
     _PATHS[child] = f"{parent}.{name}" if parent else name
 
 
+def inherit_graph_path(new: GraphModule, old: GraphModule) -> None:
+    """Let ``new`` (a copy or rebuild of ``old``) stand where ``old`` did."""
+    if old in _PATHS:
+        _PATHS[new] = _PATHS[old]
+
+
+def name_graphs(gm: GraphModule) -> None:
+    """Make ``gm`` a root and name every subgraph afresh from it."""
+    _PATHS[gm] = ""
+    seen = {id(gm)}
+    stack = [gm]
+    while stack:
+        m = stack.pop()
+        for name, c in m.named_children():
+            if isinstance(c, GraphModule) and id(c) not in seen:
+                seen.add(id(c))
+                note_subgraph(m, name, c, fresh=True)
+                stack.append(c)
+
+
 def graph_path(gm: GraphModule | None) -> str:
-    """Where ``gm`` sits below the root it was last reached from by a walk
-    (``"true_graph_0.body_graph_0"``); ``""`` for a root or a module no walk
-    reached.
+    """Where ``gm`` sits below the root of the program the running pass was
+    given (``"true_graph_0.body_graph_0"``); ``""`` for a root or a module no
+    walk reached. A module shared by two programs is named in the one checked
+    last, so a caller of the node-level functions (``cond_parts`` and the
+    like) on a module of another program should lint that program first.
 
         >>> import torch
         >>> def f(p, x):
         ...     return torch.cond(p, lambda x: x + 1, lambda x: x - 1, (x,))
         >>> gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.tensor(True), torch.ones(2))
+        >>> lint_graph_module(gm)
         >>> [graph_path(m) for m in iter_graph_modules(gm)]
         ['', 'true_graph_0', 'false_graph_0']
+        >>> lint_graph_module(gm.true_graph_0)  # a pass given the branch alone
+        >>> graph_path(gm.true_graph_0)
+        ''
     """
     return _PATHS.get(gm, "") if gm is not None else ""
 
@@ -135,12 +169,14 @@ def resolve_attr(gm: torch.nn.Module, target: str) -> Any:
 
 def lint_graph_module(gm: GraphModule) -> None:
     """Lint ``gm`` and every subgraph; raise :class:`MalformedGraphError`
-    naming the graph that fails."""
+    naming the graph that fails. Names the subgraphs afresh from ``gm``
+    (:func:`graph_path`)."""
+    name_graphs(gm)
     for sub in iter_graph_modules(gm):
         try:
             sub.graph.lint()
         except Exception as exc:  # torch raises RuntimeError / AssertionError here
-            label = getattr(sub, "_branchyard_label", type(sub).__name__)
+            label = graph_path(sub) or getattr(sub, "_branchyard_label", type(sub).__name__)
             raise MalformedGraphError(
                 f"graph fails torch.fx lint: {exc}", where=f"graph module {label!r}"
             ) from exc
@@ -194,6 +230,7 @@ def _copy_lazily(gm: GraphModule, memo: dict[int, Any]) -> GraphModule:
         new_node.name = old_node.name  # deepcopy renames builtin-shadowing names
     new = _LazyGraphModule(root, graph, class_name=type(gm).__name__)
     new.meta = copy.copy(getattr(gm, "meta", {}))
+    inherit_graph_path(new, gm)
     memo[id(gm)] = new
     return new
 

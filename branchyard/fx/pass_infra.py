@@ -47,7 +47,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.fx.passes.infra.pass_manager import PassManager
 
 from branchyard.errors import BranchyardError
-from branchyard.fx.control_flow import describe_node
+from branchyard.fx.control_flow import control_flow_op, describe_node
 from branchyard.fx.graph_walk import copy_graph_module, iter_graph_modules, lint_graph_module, realize_graph_modules
 from branchyard.fx.mutation import has_effects
 
@@ -58,6 +58,7 @@ __all__ = [
     "BranchyardPass",
     "Program",
     "apply_pass",
+    "check_graphs",
     "gc_paused",
     "Pipeline",
     "PipelineResult",
@@ -97,6 +98,19 @@ class PassReport:
         lines += [f"  {k}: {v}" for k, v in self.stats.items()]
         lines += [f"  {s}" for s in self.skips]
         return "\n".join(lines)
+
+
+def check_graphs(gm: GraphModule) -> None:
+    """Lint ``gm`` and every subgraph (naming them afresh from ``gm``, see
+    :func:`~branchyard.fx.graph_walk.graph_path`) and take every control-flow
+    node apart once: a malformed node is reported before any rewrite, in the
+    coordinates of the program as given."""
+    lint_graph_module(gm)
+    for sub in iter_graph_modules(gm):
+        for node in sub.graph.nodes:
+            op = control_flow_op(node)
+            if op is not None:
+                op.parts(sub, node)
 
 
 def _describe(where: Node | str) -> str:
@@ -140,13 +154,13 @@ class BranchyardPass(PassBase):
         logger.debug("%s", entry)
 
     def requires(self, graph_module: GraphModule) -> None:
-        """Lint the input (a pass called on its own; a :class:`Pipeline` lints for it)."""
-        lint_graph_module(graph_module)
+        """Check the input (a pass called on its own; a :class:`Pipeline` checks for it)."""
+        check_graphs(graph_module)
 
     def ensures(self, graph_module: GraphModule) -> None:
         """Lint the output if the run changed it (a pass called on its own)."""
         if self.report.modified:
-            lint_graph_module(graph_module)
+            check_graphs(graph_module)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         """Run the pass on ``graph_module`` in place; no checks (see the class docstring)."""
@@ -259,7 +273,7 @@ class Pipeline:
             if res is None:
                 raise BranchyardError(f"pass {p!r} returned None instead of a PassResult")
             if self.lint and res.modified:
-                lint_graph_module(res.graph_module)
+                check_graphs(res.graph_module)
             return res
 
         step.__name__ = getattr(p, "name", type(p).__name__)
@@ -309,7 +323,7 @@ class Pipeline:
         ``rewrite_program`` calls to run its own graph pass."""
         _check_input(program)
         if self.lint:
-            lint_graph_module(program if isinstance(program, GraphModule) else program.graph_module)
+            check_graphs(program if isinstance(program, GraphModule) else program.graph_module)
         if isinstance(program, GraphModule):
             gm, modified = self._run(copy_graph_module(program, lazy=True))
             out: Any = realize_graph_modules(gm)

@@ -82,7 +82,7 @@ from branchyard.fx.control_flow import (
     node_value,
     replace_with_outputs,
 )
-from branchyard.fx.graph_walk import rewrite_graphs
+from branchyard.fx.graph_walk import inherit_graph_path, rewrite_graphs
 from branchyard.fx.pass_infra import BranchyardPass, Program, apply_pass
 from branchyard.passes.flatten_cost import FlattenCostModel
 
@@ -191,6 +191,7 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
             attrs = []
             for b, leaf_i in enumerate(branch_leaves):
                 gm = new_graph_module(plan.sinks[leaf_i].attrs, plan.leaf_graphs[leaf_i])
+                inherit_graph_path(gm, plan.leaves[leaf_i].gm)  # errors and skips name the input's branch
                 name = sink.add(f"{root.name}_branch{b}", gm)
                 attrs.append(graph.get_attr(name))
             result = graph.call_function(switch_op(), (index, attrs, tuple(plan.operands)))

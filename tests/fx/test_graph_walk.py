@@ -115,8 +115,35 @@ def _nested_cond_program() -> torch.fx.GraphModule:
     return make_fx(f)(torch.tensor(True), torch.tensor(False), torch.randn(3))
 
 
+def _break_dtype(branch: torch.fx.GraphModule) -> None:
+    """Make ``branch`` return float64 where its sibling returns float32."""
+    out = next(n for n in branch.graph.nodes if n.op == "output")
+    x = out.args[0][0]
+    with branch.graph.inserting_before(out):
+        y = branch.graph.call_function(torch.ops.aten.to.dtype, (x, torch.float64))
+    y.meta["val"] = x.meta["val"].to(torch.float64)
+    out.args = ((y,),)
+    branch.recompile()
+
+
+def _resolves(message: str, root: torch.fx.GraphModule) -> bool:
+    """Every ``node 'n' in graph 'p'`` of ``message`` names a node of graph ``p`` of ``root``."""
+    import re
+
+    found = re.findall(r"node '([^']+)'(?: in graph '([^']+)')?", message)
+    assert found, message
+    for name, path in found:
+        g = root
+        for part in filter(None, path.split(".")):
+            g = getattr(g, part, None)
+        if g is None or not any(n.name == name for n in g.graph.nodes):
+            return False
+    return True
+
+
 def test_graph_path_names_where_each_subgraph_sits_below_the_root():
     gm = _nested_cond_program()
+    lint_graph_module(gm)
     paths = [graph_path(m) for m in iter_graph_modules(gm)]
     assert paths == ["", "true_graph_0", "true_graph_0.true_graph_0", "true_graph_0.false_graph_0",
                      "false_graph_0", "false_graph_0.true_graph_0", "false_graph_0.false_graph_0"]
@@ -129,14 +156,112 @@ def test_an_error_in_a_nested_cond_names_the_graph_it_is_in(branch):
     from branchyard.passes import cond_to_switch
 
     gm = _nested_cond_program()
-    inner = getattr(getattr(gm, branch), "false_graph_0")
-    out = next(n for n in inner.graph.nodes if n.op == "output")
-    x = out.args[0][0]
-    with inner.graph.inserting_before(out):
-        y = inner.graph.call_function(torch.ops.aten.to.dtype, (x, torch.float64))
-    y.meta["val"] = x.meta["val"].to(torch.float64)
-    out.args = ((y,),)
-    inner.recompile()
+    _break_dtype(getattr(getattr(gm, branch), "false_graph_0"))
     with pytest.raises(MalformedGraphError, match=rf"^node 'cond' in graph '{branch}': output 0 is torch.float32 "
                                                   r"in true branch but torch.float64 in false branch"):
         cond_to_switch(gm)
+
+
+def _leaf_with_a_loop_program() -> torch.fx.GraphModule:
+    """A cond tree whose true leaf runs a while_loop with a cond in its body."""
+    from torch._higher_order_ops.while_loop import while_loop
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(p, q, x):
+        def t(x):
+            def body(i, x):
+                return i + 1, torch.cond(q, lambda x: x + 1, lambda x: x - 1, (x,))
+            return while_loop(lambda i, x: i < 3, body, (torch.tensor(0), x))[1]
+
+        def e(x):
+            return torch.cond(q, lambda x: x * 2, lambda x: x * 3, (x,))
+
+        return torch.cond(p, t, e, (x,))
+
+    return make_fx(f)(torch.tensor(True), torch.tensor(False), torch.randn(3))
+
+
+@pytest.mark.parametrize("form", ["function", "pass object"])
+def test_an_error_below_a_rewritten_tree_names_the_graph_of_the_program_as_given(form):
+    """The pass rewrites parents before children; the bad cond sits below a
+    leaf the rewrite moves. The error still names the input's graph, and
+    before anything was rewritten."""
+    from branchyard.passes.cond_to_switch import CondToSwitch, cond_to_switch
+
+    gm = _leaf_with_a_loop_program()
+    _break_dtype(gm.true_graph_0.while_loop_body_graph_0.false_graph_0)
+    before = gm.code
+    with pytest.raises(MalformedGraphError) as exc:
+        (cond_to_switch if form == "function" else CondToSwitch())(gm)
+    assert str(exc.value).startswith("node 'cond' in graph 'true_graph_0.while_loop_body_graph_0': output 0")
+    assert _resolves(str(exc.value), gm) and gm.code == before, "reported before any rewrite"
+
+
+def test_a_branch_passed_alone_is_its_own_root():
+    from branchyard.passes.cond_to_switch import CondToSwitch, find_cond_trees
+
+    gm = _nested_cond_program()
+    lint_graph_module(gm)  # names true_graph_0 below gm
+    sub = gm.true_graph_0
+    _break_dtype(sub.false_graph_0)
+    for entry in (find_cond_trees, CondToSwitch()):
+        with pytest.raises(MalformedGraphError, match=r"^node 'cond': output 0") as exc:
+            entry(sub)
+        assert _resolves(str(exc.value), sub)
+
+
+def test_skips_name_graphs_of_the_program_as_given():
+    """A leaf holding two conds is kept whole; the skips about it and about its
+    conds name the input's branch, where those conds are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from branchyard.fx.pass_infra import Pipeline
+    from branchyard.passes.cond_to_switch import CondToSwitch
+
+    def f(p, q, x):
+        def t(x):
+            a = torch.cond(q, lambda x: x + 1, lambda x: x - 1, (x,))
+            return a + torch.cond(q, lambda x: x * 5, lambda x: x * 7, (x,))
+
+        def e(x):
+            return torch.cond(q, lambda x: x * 2, lambda x: x * 3, (x,))
+
+        return torch.cond(p, t, e, (x,))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(False), torch.randn(3))
+    skips = Pipeline([CondToSwitch("all")])(gm).reports[0].skips
+    assert len(skips) == 3
+    assert {s.where.split(" (")[0] for s in skips} == {"node 'cond' in graph 'true_graph_0'",
+                                                       "node 'cond_1' in graph 'true_graph_0'"}
+    assert all(_resolves(s.where, gm) for s in skips)
+
+
+def test_lint_names_the_graph_that_fails_by_its_place():
+    gm = _nested_cond_program()
+    bad = gm.false_graph_0.true_graph_0
+    mul = next(n for n in bad.graph.nodes if n.op == "call_function")
+    out = next(n for n in bad.graph.nodes if n.op == "output")
+    mul.args = (out, 1)
+    with pytest.raises(MalformedGraphError, match=r"^graph module 'false_graph_0.true_graph_0': graph fails"):
+        lint_graph_module(gm)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.higher_order, "switch"), reason="torch has no switch")
+def test_switch_to_cond_names_the_nested_switch_where_the_input_has_it():
+    from torch._higher_order_ops import switch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from branchyard.passes import switch_to_cond
+
+    def f(i, j, x):
+        def b1(x, j):
+            return switch(j, [lambda x: x + 1, lambda x: x - 1, lambda x: x * 4], (x,))
+
+        return switch(i, [lambda x, j: x * 2, b1, lambda x, j: x * 3], (x, j))
+
+    gm = make_fx(f)(torch.tensor(1), torch.tensor(0), torch.randn(3))
+    outer_branch = [name for name, _ in gm.named_children()][1]
+    inner = getattr(gm, outer_branch)
+    _break_dtype([m for _, m in inner.named_children()][2])
+    with pytest.raises(MalformedGraphError, match=rf"^node 'switch' in graph '{outer_branch}': output 0"):
+        switch_to_cond(gm)

@@ -52,7 +52,11 @@ __all__ = [
 #: pass was given: named afresh by :func:`lint_graph_module` (every pass and
 #: pipeline lints its input first), inherited by copies, and kept while a
 #: rewrite moves the module (a module a rewrite makes gets its first place).
-_PATHS: weakref.WeakKeyDictionary[GraphModule, str] = weakref.WeakKeyDictionary()
+#: A place is ``(parent's place, name)``, ``None`` at the root: a chain shared
+#: with the parent, so deep nesting costs memory linear in the depth.
+_PATHS: weakref.WeakKeyDictionary[GraphModule, tuple | None] = weakref.WeakKeyDictionary()
+#: Places deeper than this are shown by their first and last names only.
+_SHOWN_LEVELS = 8
 
 
 def note_subgraph(owner: torch.nn.Module, name: str, child: GraphModule, *, fresh: bool = False) -> None:
@@ -60,8 +64,8 @@ def note_subgraph(owner: torch.nn.Module, name: str, child: GraphModule, *, fres
     place already (``fresh=True``: record it anyway)."""
     if not fresh and child in _PATHS:
         return
-    parent = _PATHS.get(owner, "") if isinstance(owner, GraphModule) else ""
-    _PATHS[child] = f"{parent}.{name}" if parent else name
+    parent = _PATHS.get(owner) if isinstance(owner, GraphModule) else None
+    _PATHS[child] = (parent, name)
 
 
 def inherit_graph_path(new: GraphModule, old: GraphModule) -> None:
@@ -72,7 +76,7 @@ def inherit_graph_path(new: GraphModule, old: GraphModule) -> None:
 
 def name_graphs(gm: GraphModule) -> None:
     """Make ``gm`` a root and name every subgraph afresh from it."""
-    _PATHS[gm] = ""
+    _PATHS[gm] = None
     seen = {id(gm)}
     stack = [gm]
     while stack:
@@ -101,8 +105,20 @@ def graph_path(gm: GraphModule | None) -> str:
         >>> lint_graph_module(gm.true_graph_0)  # a pass given the branch alone
         >>> graph_path(gm.true_graph_0)
         ''
+
+    A place more than eight levels deep shows its first and last three
+    names around ``[N more]``.
     """
-    return _PATHS.get(gm, "") if gm is not None else ""
+    place = _PATHS.get(gm) if gm is not None else None
+    names: list[str] = []
+    while place is not None:
+        place, name = place
+        names.append(name)
+    names.reverse()
+    if len(names) > _SHOWN_LEVELS:
+        head, tail = names[:3], names[-3:]
+        names = [*head, f"[{len(names) - 6} more]", *tail]
+    return ".".join(names)
 
 
 def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iterator[GraphModule]:

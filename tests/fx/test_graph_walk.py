@@ -265,3 +265,29 @@ def test_switch_to_cond_names_the_nested_switch_where_the_input_has_it():
     _break_dtype([m for _, m in inner.named_children()][2])
     with pytest.raises(MalformedGraphError, match=rf"^node 'switch' in graph '{outer_branch}': output 0"):
         switch_to_cond(gm)
+
+
+def test_a_deep_place_is_shown_by_its_ends_and_kept_in_linear_memory():
+    import tracemalloc
+
+    from branchyard.examples.builder import build_dispatch_program
+
+    def peak_naming(depth: int) -> tuple[int, torch.fx.GraphModule]:
+        gm = build_dispatch_program(depth + 1, split="chain", dim=4).graph_module
+        tracemalloc.start()
+        lint_graph_module(gm)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak, gm
+
+    small, _ = peak_naming(40)
+    large, gm = peak_naming(160)
+    import re
+
+    def depth(m):
+        more = re.search(r"\[(\d+) more\]", graph_path(m))
+        return 6 + int(more.group(1)) if more else len(graph_path(m).split("."))
+
+    shown = graph_path(max(iter_graph_modules(gm), key=depth)).split(".")
+    assert len(shown) == 7 and shown[3] == "[154 more]", shown
+    assert large < 8 * small, f"naming 4x the depth took {large / small:.1f}x the memory: places must share their parents'"

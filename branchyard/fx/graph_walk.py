@@ -74,18 +74,11 @@ def inherit_graph_path(new: GraphModule, old: GraphModule) -> None:
         _PATHS[new] = _PATHS[old]
 
 
-def name_graphs(gm: GraphModule) -> None:
-    """Make ``gm`` a root and name every subgraph afresh from it."""
+def name_graphs(gm: GraphModule) -> list[GraphModule]:
+    """Make ``gm`` a root and name every subgraph afresh from it; return
+    ``gm`` and its subgraphs in :func:`iter_graph_modules` order."""
     _PATHS[gm] = None
-    seen = {id(gm)}
-    stack = [gm]
-    while stack:
-        m = stack.pop()
-        for name, c in m.named_children():
-            if isinstance(c, GraphModule) and id(c) not in seen:
-                seen.add(id(c))
-                note_subgraph(m, name, c, fresh=True)
-                stack.append(c)
+    return list(_walk(gm, children_first=False, fresh=True))
 
 
 def graph_path(gm: GraphModule | None) -> str:
@@ -127,7 +120,14 @@ def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iter
     siblings in definition order: each module before its children, or with
     ``children_first=True`` after all of its descendants (the order in which
     rewriting a branch cannot affect a graph already seen)."""
+    return _walk(gm, children_first=children_first, fresh=False)
+
+
+def _walk(gm: GraphModule, *, children_first: bool, fresh: bool) -> Iterator[GraphModule]:
+    """:func:`iter_graph_modules`, naming each subgraph from the parent it is
+    first reached from (``fresh``: even one named before)."""
     seen: set[int] = set()
+    named: set[int] = {id(gm)}
     stack: list[tuple[GraphModule, bool]] = [(gm, False)]
     while stack:
         m, expanded = stack.pop()
@@ -143,8 +143,9 @@ def iter_graph_modules(gm: GraphModule, *, children_first: bool = False) -> Iter
             yield m
         children = [(name, c) for name, c in m.named_children() if isinstance(c, GraphModule)]
         for name, c in children:
-            if id(c) not in seen:
-                note_subgraph(m, name, c)
+            if id(c) not in named:
+                named.add(id(c))
+                note_subgraph(m, name, c, fresh=fresh)
         stack.extend(reversed([(c, False) for _, c in children]))
 
 
@@ -187,8 +188,7 @@ def lint_graph_module(gm: GraphModule) -> None:
     """Lint ``gm`` and every subgraph; raise :class:`MalformedGraphError`
     naming the graph that fails. Names the subgraphs afresh from ``gm``
     (:func:`graph_path`)."""
-    name_graphs(gm)
-    for sub in iter_graph_modules(gm):
+    for sub in name_graphs(gm):
         try:
             sub.graph.lint()
         except Exception as exc:  # torch raises RuntimeError / AssertionError here

@@ -158,7 +158,7 @@ class BranchyardPass(PassBase):
         check_graphs(graph_module)
 
     def ensures(self, graph_module: GraphModule) -> None:
-        """Lint the output if the run changed it (a pass called on its own)."""
+        """Check the output if the run changed it (a pass called on its own)."""
         if self.report.modified:
             check_graphs(graph_module)
 

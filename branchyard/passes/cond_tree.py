@@ -67,7 +67,7 @@ from branchyard.fx.control_flow import (
     placeholders,
     returns_sequence,
 )
-from branchyard.fx.graph_walk import iter_graph_modules, name_graphs
+from branchyard.fx.graph_walk import name_graphs
 from branchyard.passes.leaf_dedup import group_identical
 from branchyard.fx.raise_free import may_raise, raise_reason
 
@@ -581,10 +581,9 @@ def find_cond_trees(gm: GraphModule) -> list[CondTree]:
     """Every maximal tree of nested conds (depth >= 2) in ``gm`` and its
     subgraphs, outermost first. Analysis only: ``gm`` is not modified
     (errors name its subgraphs from ``gm``, see :func:`graph_path`)."""
-    name_graphs(gm)
     trees: list[CondTree] = []
     absorbed: set[Node] = set()
-    for m in iter_graph_modules(gm):
+    for m in name_graphs(gm):
         for node in m.graph.nodes:
             if not is_cond(node) or node in absorbed:
                 continue

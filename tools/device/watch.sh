@@ -4,7 +4,13 @@
 n=${1:-500} logs=${PLAN_LOGS:-/opt/bylogs} t0=$(date +%s)
 [ -f $logs/plan.sh ] && for _ in 1 2 3 4 5 6; do [ -f $logs/progress.txt ] && break; sleep 2; done
 if [ ! -f $logs/progress.txt ]; then echo "NO PROGRESS FILE: a fresh machine, the plan is gone"; exit 3; fi
-while [ $(( $(date +%s) - t0 )) -lt "$n" ] && [ ! -f $logs/plan.done ]; do sleep 5; done
+# the logs are packed every minute as well, so a call cut short still brings them back
+pack() { tar -czf "$OUT/logs.tgz.part" -C $logs . 2>/dev/null && mv -f "$OUT/logs.tgz.part" "$OUT/logs.tgz"; }
+last=$t0
+while [ $(( $(date +%s) - t0 )) -lt "$n" ] && [ ! -f $logs/plan.done ]; do
+  sleep 5
+  if [ $(( $(date +%s) - last )) -ge 60 ]; then pack; last=$(date +%s); fi
+done
 cat $logs/progress.txt
 for f in $logs/*.log; do
   [ -f "$f" ] || continue
@@ -13,4 +19,4 @@ for f in $logs/*.log; do
   grep -E "FAILED|ERROR|Timeout|Traceback|[0-9]+ (passed|failed)|^\| [a-z]|-> (PASS|FAIL)" "$f" | tail -8 | cut -c1-400
   tail -c 200 "$f"; echo
 done
-tar -czf "$OUT/logs.tgz" -C $logs . 2>/dev/null; date -u
+pack; date -u

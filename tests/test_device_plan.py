@@ -98,3 +98,43 @@ def test_watch_on_a_machine_without_the_plan_says_so(tmp_path):
     report = subprocess.run(["bash", str(TOOLS / "watch.sh"), "1"], env=_env(tmp_path), capture_output=True,
                             text=True, timeout=60)
     assert report.returncode == 3 and "NO PROGRESS FILE" in report.stdout
+
+
+def test_a_wait_line_ends_one_group_before_the_next_and_a_step_var_wins(tmp_path):
+    write = "import os, pathlib; pathlib.Path(os.environ['NAME'] + '.out').write_text(os.environ['BRANCHYARD_CACHE_DIR'])"
+    later = "import pathlib; assert pathlib.Path('a.out').exists() and pathlib.Path('b.out').exists(); " + write
+    steps = f"""&a 2.11 20 NAME=a -- {PY} -c "import time; time.sleep(0.5); {write}"
+&b 2.11 20 NAME=b -- {PY} -c "{write}"
+  wait
+&c 2.11 20 NAME=c BRANCHYARD_CACHE_DIR={tmp_path}/caches/a -- {PY} -c "{later}"
+&d 2.11 20 NAME=d -- {PY} -c "{later}"
+"""
+    done = _plan(tmp_path, steps)
+    assert done.returncode == 0, done.stderr
+    assert "plan started: 4 steps" in done.stdout
+    _wait_done(tmp_path)
+    tree, logs = tmp_path / "tree", tmp_path / "logs"
+    rcs = {name: (logs / f"{name}.rc").read_text().strip() for name in "abcd"}
+    assert rcs == dict.fromkeys("abcd", "0"), rcs
+    assert (tree / "c.out").read_text() == str(tmp_path / "caches" / "a"), "the step's own cache folder wins"
+    assert (tree / "d.out").read_text() == str(tmp_path / "caches" / "d")
+    assert (logs / "plan.sh").read_text().count("\nwait\n") == 2
+
+
+def test_watch_packs_the_logs_while_it_waits(tmp_path):
+    done = _plan(tmp_path, "long 2.11 30 -- sleep 20\n")
+    assert done.returncode == 0, done.stderr
+    watch = subprocess.Popen(["bash", str(TOOLS / "watch.sh"), "25"], env=_env(tmp_path, WATCH_PACK_S="1"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        packed = tmp_path / "out" / "logs.tgz"
+        deadline = time.monotonic() + 15
+        while not packed.exists():
+            assert time.monotonic() < deadline, "no logs packed while the plan runs"
+            time.sleep(0.2)
+        with tarfile.open(packed) as tar:
+            assert "./progress.txt" in tar.getnames()
+        assert watch.poll() is None, "packed while waiting, not at the end"
+    finally:
+        os.killpg(watch.pid, 9)
+        watch.wait()

@@ -9,7 +9,7 @@
 #   NAME TORCH LIMIT_S [VAR=VALUE ...] -- COMMAND ...
 # TORCH is 2.14.1 (the staged one, first on PYTHONPATH) or 2.11 (the machine's own).
 # A line starting with '&' runs at the same time as the &-lines next to it; the
-# next plain line waits for all of them. Every step gets BRANCHYARD_CACHE_DIR of its own.
+# next plain line, or a line 'wait', waits for all of them. Every step gets BRANCHYARD_CACHE_DIR of its own.
 # PLAN_LOGS, PLAN_TREE, PLAN_CACHES move /opt/bylogs, /opt/bytree, /opt/bycache.
 set -euo pipefail
 steps=${1:?usage: plan.sh STEPS}
@@ -52,6 +52,9 @@ script=$logs/plan.sh
   open=0
   while IFS= read -r line || [ -n "$line" ]; do
     line=${line%%#*}; [ -n "${line// }" ] || continue
+    if [ "${line// }" = "wait" ]; then  # ends an &-group before the next one
+      if [ $open = 1 ]; then echo wait; open=0; fi; continue
+    fi
     if [ "${line:0:1}" = "&" ]; then
       cmd=$(eval "step ${line:1}"); echo "( $cmd ) &"; open=1
     else

@@ -407,3 +407,150 @@ def test_find_epilogue_chains_recursive_sees_cond_branches():
     chains = find_epilogue_chains(ep.graph_module, recursive=True)
     assert sorted(str(c.spec) for c in chains) == ["w=nk;bias@0;gelu_erf;out=float32",
                                                    "w=nk;bias@0;scale:0.5;sigmoid;out=float32"]
+
+
+# --- chains the fused op would compute differently -----------------------------
+
+
+def _fused_against_program(module, args):
+    ep = torch.export.export(module, args)
+    fused = nvgemm(ep)
+    with torch.no_grad():
+        want, got = ep.module()(*[a.clone() for a in args]), fused.module()(*[a.clone() for a in args])
+    return fused, want, got
+
+
+class _Epilogue(nn.Module):
+    def __init__(self, f, k=32, n=64):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(k, n))
+        self.f = f
+
+    def forward(self, x, *more):
+        return self.f(x @ self.w, *more)
+
+
+@pytest.mark.parametrize("f, extra", [
+    (lambda y, b: torch.relu(y) + b, (1, 1, 64)),
+    (lambda y, b: torch.relu(y) * b, (1, 1, 64)),
+    (lambda y, b: y + b, (1, 1, 1, 64)),
+], ids=["bias", "scale_col", "rank-4"])
+def test_a_per_column_operand_of_higher_rank_than_the_output_is_declined(f, extra):
+    """[1, 1, N] on an [M, N] product broadcasts the result to [1, M, N]: not a bias."""
+    fused, want, got = _fused_against_program(_Epilogue(f), (torch.randn(8, 32), torch.randn(*extra)))
+    assert got.shape == want.shape == (*[1] * (len(extra) - 2), 8, 64)
+    torch.testing.assert_close(got, want)
+    assert all("bias" not in s and "scale_col" not in s for s in specs(fused)), specs(fused)
+    (chain,) = find_epilogue_chains(torch.export.export(_Epilogue(f), (torch.randn(8, 32), torch.randn(*extra)))
+                                    .graph_module)
+    assert "for the output [8, 64]" in chain.stop, chain.stop
+
+
+def test_an_operand_that_promotes_the_chain_to_float64_ends_it():
+    fused, want, got = _fused_against_program(_Epilogue(lambda y, b: torch.relu(y + b)),
+                                              (torch.randn(8, 32), torch.randn(64, dtype=torch.float64)))
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+    assert specs(fused) == []
+    gm = torch.export.export(_Epilogue(lambda y, b: torch.relu(y + b)),
+                             (torch.randn(8, 32), torch.randn(64, dtype=torch.float64))).graph_module
+    (chain,) = find_epilogue_chains(gm)
+    assert "makes torch.float64" in chain.reason, chain.reason
+    assert chain.stop_node is not None and chain.stop_node.target is aten.add.Tensor
+
+
+@pytest.mark.parametrize("c", [1e-39, 1e39, 3e-45])
+def test_a_division_whose_reciprocal_leaves_float32_is_not_a_scale(c):
+    fused, want, got = _fused_against_program(_Epilogue(lambda y: torch.relu(y) / c), (torch.randn(8, 32),))
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert got.isnan().sum() == want.isnan().sum()
+    assert all("scale:" not in s for s in specs(fused)), specs(fused)
+
+
+def test_a_division_within_range_is_still_a_scale():
+    fused, want, got = _fused_against_program(_Epilogue(lambda y: torch.relu(y) / 4.0), (torch.randn(8, 32),))
+    torch.testing.assert_close(got, want)
+    assert specs(fused) == ["w=kn;relu;scale:0.25;out=float32"], specs(fused)
+
+
+class _WritesBetween(nn.Module):
+    """``t = x @ w + r``, then ``which`` is written in place, then ``relu(t)``."""
+
+    def __init__(self, which):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16))
+        self.which = which
+
+    def forward(self, x, r):
+        t = x @ self.w + r
+        (r if self.which == "r" else x).mul_(10.0)
+        return torch.relu(t), x, r
+
+
+@pytest.mark.parametrize("which", ["r", "x"], ids=["residual", "input"])
+@pytest.mark.parametrize("trace", ["export", "make_fx"])
+def test_a_write_in_place_inside_the_chain_keeps_it_unfused(which, trace):
+    """The fused op sits at the chain's end; an operand or input written before
+    that would be read after its write."""
+    args = (torch.randn(4, 8), torch.randn(4, 16))
+    module = _WritesBetween(which)
+    if trace == "export":
+        fused, want, got = _fused_against_program(module, args)
+        graph = fused.graph_module
+    else:
+        gm = make_fx(module)(*[a.clone() for a in args])
+        want = gm(*[a.clone() for a in args])
+        res = NvGemmPass()(gm)
+        got, graph = res.graph_module(*[a.clone() for a in args]), res.graph_module
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert fused_nodes(graph) == []
+    (chain,) = find_epilogue_chains(graph)
+    assert "writes in place between the matmul and the chain's end" in chain.reason, chain.reason
+
+
+def test_a_write_in_place_before_or_after_the_chain_does_not_stop_it():
+    def f(x, w, r):
+        r.add_(1.0)
+        y = torch.relu(x @ w + r)
+        x.mul_(2.0)
+        return y
+    args = (torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16))
+    gm = make_fx(f)(*[a.clone() for a in args])
+    want = gm(*[a.clone() for a in args])
+    res = NvGemmPass()(gm)
+    assert len(fused_nodes(res.graph_module)) == 1
+    torch.testing.assert_close(res.graph_module(*[a.clone() for a in args]), want)
+
+
+def test_a_write_between_a_gated_chains_two_matmuls_keeps_it_unfused():
+    """up(x) before gate(x): the fused op reads x for both at the chain's end."""
+    def f(x, wg, wu):
+        up = x @ wu.t()
+        x.view(-1).mul_(2.0)
+        return F.silu(x @ wg.t()) * up
+    args = (torch.randn(4, 8), torch.randn(16, 8), torch.randn(16, 8))
+    gm = make_fx(f)(*[a.clone() for a in args])
+    want = gm(*[a.clone() for a in args])
+    res = NvGemmPass()(gm)
+    torch.testing.assert_close(res.graph_module(*[a.clone() for a in args]), want)
+    assert not any("mul_mm" in n.args[3] for n in fused_nodes(res.graph_module))
+
+
+def test_first_write_within_sees_only_the_window():
+    from branchyard.lowering.nvgemm.matcher import first_write_within
+
+    def f(x, w, r):
+        r.add_(1.0)
+        y = x @ w
+        x.mul_(2.0)
+        z = torch.relu(y)
+        r.mul_(3.0)
+        return z + r
+    gm = make_fx(f)(torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert first_write_within(nodes["relu"], [nodes["mm"], nodes["relu"]]) is nodes["mul_"]
+    assert first_write_within(nodes["relu"], [nodes["mm"]]) is nodes["mul_"]
+    assert first_write_within(nodes["mul_"], [nodes["mm"]]) is None
+    assert first_write_within(nodes["mm"], [nodes["mm"]]) is None
+    assert first_write_within(nodes["add"], [nodes["relu"]]) is nodes["mul__1"]

@@ -427,3 +427,24 @@ def test_branchyard_compile_merges_siblings(cuda_graph):
         assert report.stats["merged"] and report.stats["merge"].startswith("kept (")
         with torch.no_grad():
             _close(fast(*args), m(*args))
+
+
+class _WritesBetweenSiblings(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x):
+        q = self.q(x)
+        x.view(-1).mul_(3.0)  # through an alias: k reads the same, written x node
+        return torch.cat([q, self.k(x)], dim=-1), x
+
+
+def test_siblings_with_a_write_in_place_between_them_are_not_merged():
+    args = (torch.randn(2, 8),)
+    ep = torch.export.export(_WritesBetweenSiblings(), tuple(a.clone() for a in args))
+    merged = merge_sibling_gemms(ep)
+    assert not merged.changed
+    assert any("writes in place between the siblings" in s.reason for s in merged.report.skips), merged.report
+    with torch.no_grad():
+        _close(merged.program.module()(*[a.clone() for a in args]), ep.module()(*[a.clone() for a in args]))

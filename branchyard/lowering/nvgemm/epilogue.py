@@ -169,10 +169,13 @@ def same_shape(s1: Any, s2: Any) -> bool:
     return len(s1) == len(s2) and all(known_eq(x, y) for x, y in zip(s1, s2))
 
 
-def is_col_vector(t: Any, n: Any) -> bool:
-    """``t`` broadcasts along rows only: shape ``[..., 1, N]`` or ``[N]``."""
-    shape = tuple(t.shape)
-    return len(shape) >= 1 and known_eq(shape[-1], n) and all(known_eq(d, 1) for d in shape[:-1])
+def is_col_vector(t: Any, out: Any) -> bool:
+    """``t`` broadcasts along the rows of an output of shape ``out`` only: shape
+    ``[N]`` or ``[1, ..., 1, N]`` with no more dims than ``out`` (more would
+    broadcast the output itself to a higher rank)."""
+    shape, out = tuple(t.shape), tuple(out)
+    return (1 <= len(shape) <= len(out) and known_eq(shape[-1], out[-1])
+            and all(known_eq(d, 1) for d in shape[:-1]))
 
 
 def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node | str:
@@ -191,8 +194,9 @@ def _tensor_operand(node: Node, x: Node, want: Literal["col", "matrix"]) -> Node
     if want == "col":
         if t.dim() == 0:
             return f"operand '{other.name}' is a 0-d tensor; only per-column [N] vectors are fused"
-        if not is_col_vector(t, n):
-            return f"operand '{other.name}' has shape {list(t.shape)}, not a per-column vector [{n}]"
+        if not is_col_vector(t, out):
+            return (f"operand '{other.name}' has shape {list(t.shape)}, not a per-column vector [{n}] "
+                    f"for the output {list(out)}")
         return other
     if not same_shape(t.shape, out):
         return (
@@ -210,12 +214,17 @@ def _match_matrix(node: Node, x: Node) -> Node | str:
     other = _other_operand(node, x)
     if isinstance(other, Node) and isinstance(_val(other), torch.Tensor):
         t = _val(other)
-        if is_col_vector(t, _out_shape(x)[-1]) and not same_shape(t.shape, _out_shape(x)):
+        if is_col_vector(t, _out_shape(x)) and not same_shape(t.shape, _out_shape(x)):
             return "per-column operand (matched as bias/scale_col instead)"
     return _tensor_operand(node, x, "matrix")
 
 
 _DIV = (aten.div.Tensor, aten.div.Scalar)
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+def _float32_normal(v: float) -> bool:
+    return _FLOAT32.tiny <= abs(v) <= _FLOAT32.max
 
 
 def _match_scalar(node: Node, x: Node) -> float | str:
@@ -228,8 +237,9 @@ def _match_scalar(node: Node, x: Node) -> float | str:
         c = node.args[1]
         if isinstance(c, bool) or not isinstance(c, (int, float)):
             return f"divisor {getattr(c, 'name', c)!r} is not a Python scalar"
-        if c == 0 or not math.isfinite(1.0 / float(c)):
-            return f"divisor {c!r} has no finite reciprocal"
+        if not (_float32_normal(float(c)) and _float32_normal(1.0 / float(c))):
+            return (f"divisor {c!r} or its reciprocal is outside float32's normal range (the epilogue "
+                    "multiplies by 1/c in float32, which would differ from dividing)")
         return 1.0 / float(c)
     other = _other_operand(node, x)
     if isinstance(other, str):

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Iterable, Union
 
 import torch
 from torch.fx import GraphModule, Node
@@ -237,7 +237,7 @@ def _bias_step(bias: Node, out: Node) -> tuple[EpilogueOp, Operand] | str:
     if not isinstance(t, torch.Tensor):
         return f"bias '{getattr(bias, 'name', bias)}' has no tensor metadata"
     shape_out = tuple(_val(out).shape)
-    if is_col_vector(t, shape_out[-1]):
+    if is_col_vector(t, shape_out):
         return (EPILOGUE_OPS["bias"], bias)
     if same_shape(t.shape, shape_out):
         return (EPILOGUE_OPS["residual"], bias)
@@ -500,6 +500,25 @@ def _narrowing(dtype: torch.dtype) -> bool:
     return dtype.itemsize < 4
 
 
+def writes_in_place(node: Node) -> bool:
+    """``node`` calls an op that writes one of its arguments (``mul_``, ``copy_``, ...)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def first_write_within(last: Node, first: Iterable[Node]) -> Node | None:
+    """The earliest in-place write strictly between the earliest of ``first`` and
+    ``last`` in graph order. A rewrite that moves reads of values to ``last``
+    (or to the earliest of ``first``) changes what they read if one exists."""
+    remaining, found, node = set(first) - {last}, None, last.prev
+    while remaining and node.op != "root":
+        remaining.discard(node)
+        if remaining and writes_in_place(node):
+            found = node
+        node = node.prev
+    return found
+
+
 def _walk(chain: EpilogueChain, defer: bool = True, start: Node | None = None) -> None:
     """Extend ``chain`` forward from its root (or from ``start``, a half of it); fills
     ``steps``, ``nodes``, ``stop``. With ``defer``, a bare matmul stops before a ``mul``
@@ -576,6 +595,12 @@ def _walk(chain: EpilogueChain, defer: bool = True, start: Node | None = None) -
                 chain.stop_node = u
                 chain.deferred = True
                 break
+        made = _val(u)
+        if isinstance(made, torch.Tensor) and str(made.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES:
+            chain.stop = (f"'{u.name}' makes {made.dtype} (its operand promotes the chain); only float16, "
+                          "bfloat16 and float32 results are fused")
+            chain.stop_node = u
+            break
         chain.nodes += pending_views + consumed + [u]
         chain.checks += pending_checks + checks
         pending_views, pending_checks = [], []
@@ -607,6 +632,11 @@ def match_chain(node: Node, *, defer: bool = True) -> EpilogueChain:
     chain.steps = list(root.steps)
     chain.nodes = [node]
     _walk(chain, defer)
+    write = first_write_within(chain.end, chain.nodes) if chain.nodes[-1] is not node else None
+    if write is not None:
+        chain.reason = (f"'{write.name}' ({write.target}) writes in place between the matmul and the chain's "
+                        f"end '{chain.end.name}'; the fused op, placed at the end, would read what it wrote")
+        return chain
     if chain.nodes == [node] and not chain.steps:
         chain.reason = f"nothing to fuse after the matmul: {chain.stop}"
         chain.plain = not chain.deferred  # a deferred matmul is left for its sibling's chain

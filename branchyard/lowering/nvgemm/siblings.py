@@ -67,7 +67,13 @@ from branchyard.errors import LoweringError
 from branchyard.fx.control_flow import emit, fake_mode_of
 from branchyard.fx.graph_walk import copy_graph_module, resolve_attr
 from branchyard.fx.pass_infra import BranchyardPass, PassReport, Program
-from branchyard.lowering.nvgemm.matcher import TRANSPOSE_TARGETS, VIEW_TARGETS, input_source, is_transpose
+from branchyard.lowering.nvgemm.matcher import (
+    TRANSPOSE_TARGETS,
+    VIEW_TARGETS,
+    first_write_within,
+    input_source,
+    is_transpose,
+)
 
 __all__ = ["MergeResult", "MergeSiblingGemms", "merge_sibling_gemms"]
 
@@ -234,6 +240,11 @@ class MergeSiblingGemms(BranchyardPass):
                     continue
                 if any(id(p.w) in taken for p in run):
                     self.skip(run[0].node, f"not merged ({name}): a weight is merged elsewhere already")
+                    continue
+                write = first_write_within(cat, [p.node for p in run])
+                if write is not None:  # the merged GEMM reads its input where the first part did
+                    self.skip(run[0].node, f"not merged ({name}): '{write.name}' ({write.target}) writes in "
+                                           "place between the siblings")
                     continue
                 taken.update(id(p.w) for p in run)
                 parts[start:start + len(run)] = [self._merge(graph_module, cat, run, name)]

@@ -245,6 +245,10 @@ def dynamic_spec(spec: ShapesSpec | dict[str, Any]) -> Callable[[T], T]:
                 f"cannot attach a spec to the bound method {obj.__qualname__}",
                 hint="decorate the function in the class body, the class, or the module instance",
             )
+        if isinstance(obj, (staticmethod, classmethod)):
+            # decorate the function inside and keep the wrapper: a bare function in
+            # a class body would become an instance method (self taken as the first input)
+            return type(obj)(decorate(obj.__func__))  # type: ignore[return-value]
         if not callable(obj):
             raise ShapeSpecError(f"@dynamic_spec decorates a function or nn.Module, got {type(obj).__name__}")
         _check_attachable(obj, spec)  # type: ignore[arg-type]

@@ -127,10 +127,14 @@ def _without_native_spec(fn: Any) -> Iterator[None]:
             holder.__dict__[NATIVE_SPEC_ATTR] = saved
 
 
-def _raise_explained(err: BaseException, inputs: SymbolicInputs, spec: ShapesSpec) -> None:
+def _raise_explained(
+    err: BaseException, inputs: SymbolicInputs, spec: ShapesSpec, int_symbols: dict[Any, str] | None = None
+) -> None:
+    """Re-raise ``err`` as a DataDependentShapeError in ShapeVar terms, if it is one.
+    ``int_symbols``: the symbols torch made for int arguments (export), by var."""
     dde = find_data_dependent_error(err)
     if dde is not None:
-        raise explain(err, dde, inputs.var_of_symbol(), spec.vars) from err
+        raise explain(err, dde, {**inputs.var_of_symbol(), **(int_symbols or {})}, spec.vars) from err
 
 
 # -- export ---------------------------------------------------------------------------
@@ -208,6 +212,10 @@ def export(
         )
         return _export_native(fn, mod, spec, tuple(args), kwargs, strict, export_kwargs)
     inputs = make_symbolic_inputs(spec, binding, export=True)
+    int_symbols: dict[Any, str] = {}  # filled while tracing: torch's symbol for each var an int argument binds
+    # the program takes its inputs the way the example call passed them (like
+    # torch.export): keyword arguments stay keywords
+    inputs.args, inputs.kwargs = _as_called(binding.arguments, len(tuple(args)))
     scalars = [leaf for leaf in binding.leaves if isinstance(leaf.entry, ScalarEntry) and isinstance(leaf.entry.dim, DimExpr)]
     if scalars:
         export_kwargs["dynamic_shapes"] = _scalar_spec(spec, binding, scalars, mod)
@@ -216,7 +224,8 @@ def export(
         # strict: Dynamo re-fakifies our fakes into a ShapeEnv of its own (same
         # symbols and ranges); ours must not be the ambient one then
         contextlib.nullcontext() if strict else tracing_with(inputs),
-        _checking_forward(mod, spec, binding, scalars, restate_divisors=strict),
+        _checking_forward(mod, spec, binding, scalars, restate_divisors=strict,
+                          int_symbols=None if strict else int_symbols),
         shared_symbol_bindings() if derived_tensor_dims else contextlib.nullcontext(),
     ):
         try:
@@ -227,10 +236,13 @@ def export(
                 diagnosis = _diagnose_with_make_fx(fn, spec, tuple(args), kwargs)
                 if diagnosis is not None:
                     raise diagnosis from err
-            _raise_explained(err, inputs, spec)
+            _raise_explained(err, inputs, spec, int_symbols)
             raise
     var_of_symbol = _strict_symbols(ep, inputs, binding) if strict else inputs.var_of_symbol()
     insert_dim_checks(ep.graph_module, var_of_symbol)
+    # torch.export kept the fakes it was given; the program should carry the
+    # caller's example inputs, as plain torch.export's does (save/load, ep.module()(*ep.example_inputs[0]))
+    ep.example_inputs = (tuple(args), dict(kwargs or {}))
     # for checked_module(): the spec and the signature its keys name
     ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
     logger.info("shapes.export %s: %s; range constraints %s", _name(fn), _describe(spec), dict(ep.range_constraints))
@@ -353,25 +365,145 @@ def _export_native(
     return ep
 
 
+def _as_called(arguments: inspect.BoundArguments, n_positional: int) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` from bound ``arguments``, the first ``n_positional`` values
+    (counting ``*args`` items) positional and the rest keywords."""
+    a, k = [], {}
+    for p in arguments.signature.parameters.values():
+        if p.name not in arguments.arguments:
+            continue
+        value = arguments.arguments[p.name]
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            a.extend(value)
+        elif p.kind is inspect.Parameter.VAR_KEYWORD:
+            k.update(value)
+        elif p.kind is not inspect.Parameter.KEYWORD_ONLY and len(a) < n_positional:
+            a.append(value)
+        else:
+            k[p.name] = value
+    return tuple(a), k
+
+
 def checked_module(ep: torch.export.ExportedProgram) -> torch.nn.Module:
     """``ep.module()`` that checks each call's inputs against the spec first.
 
     ``ep`` comes from :func:`export`. A violating input raises
     :class:`~branchyard.errors.SpecViolationError` (argument, dim, ShapeVar,
     range, value) before torch's own input guards and the graph's asserts
-    run -- they raise a mix of ``AssertionError`` and ``RuntimeError``.
+    run -- they raise a mix of ``AssertionError`` and ``RuntimeError``. So does
+    a non-tensor argument the spec does not declare whose value differs from
+    the one the program holds as a constant. A call may pass each argument by
+    position or by keyword, whichever way the example call passed it.
     """
     found = getattr(ep, "branchyard_shapes", None)
     if found is None:
         raise ShapeSpecError("this ExportedProgram was not made by branchyard.shapes.export; it carries no spec")
     spec, sig = found
     module = ep.module()
+    in_spec = ep.call_spec.in_spec
+    # the user inputs the program holds as constants, in the order (args, kwargs) flatten
+    from torch.export.graph_signature import ConstantArgument, InputKind
 
-    def check_inputs(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        bind(spec, _mod, args, kwargs, sig=sig)
+    user = [s.arg for s in ep.graph_signature.input_specs if s.kind is InputKind.USER_INPUT]
+
+    def check_inputs(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        binding = bind(spec, _mod, args, kwargs, sig=sig)
+        call = _exported_call_form(binding.arguments, in_spec)
+        flat, got_spec = pytree.tree_flatten_with_path(call)
+        if got_spec != in_spec:  # e.g. a list argument of another length: torch would raise a raw ValueError
+            _raise_structure_mismatch(sig, call, in_spec)
+        if len(flat) == len(user):
+            for (path, got), arg in zip(flat, user):
+                if isinstance(arg, ConstantArgument) and not _same_constant(arg.value, got):
+                    name = _call_path(sig, path)
+                    raise SpecViolationError(
+                        f"{name} is {_show(got)}, but the program was exported with the static "
+                        f"value {_show(arg.value)}, which it holds as a constant",
+                        where=f"argument {name!r}",
+                        hint="declare it in the spec as an int size (a ShapeVar) to make it dynamic, or export again"
+                        if type(arg.value) is int else "export again with this value",
+                    )
+        return call
 
     module.register_forward_pre_hook(check_inputs, with_kwargs=True, prepend=True)
     return module
+
+
+class _Leaf:
+    def __repr__(self) -> str:
+        return "*"
+
+
+def _raise_structure_mismatch(sig: inspect.Signature, call: tuple[tuple, dict], in_spec: Any) -> None:
+    """A SpecViolationError naming the first argument whose containers differ from the
+    exported call's, both drawn with ``*`` for each value (``[*, *, *]`` vs ``[*, *]``)."""
+    expected = pytree.tree_unflatten([_Leaf()] * in_spec.num_leaves, in_spec)
+    got = pytree.tree_map(lambda _: _Leaf(), call)
+    for side in (0, 1):
+        keys = range(len(got[0])) if side == 0 else list(got[1])
+        for key in keys:
+            want = expected[side][key] if (side == 0 and key < len(expected[0])) or (side == 1 and key in expected[1]) else None
+            if repr(want) != repr(got[side][key]):
+                name = _call_path(sig, (pytree.SequenceKey(side), pytree.SequenceKey(key) if side == 0 else pytree.MappingKey(key)))
+                raise SpecViolationError(
+                    f"{name} has the structure {got[side][key]!r}, but the program was exported with {want!r}",
+                    where=f"argument {name!r}",
+                    hint="pass containers shaped like the example call's to shapes.export, or export again",
+                )
+    raise SpecViolationError(f"the inputs have the structure {got!r}, but the program was exported with {expected!r}")
+
+
+def _exported_call_form(arguments: inspect.BoundArguments, in_spec: Any) -> tuple[tuple, dict[str, Any]]:
+    """A validated call rearranged into the ``(args, kwargs)`` form the program was
+    exported with (``in_spec``): the same positional count, the same keywords.
+
+    A parameter the export call left out is baked in at its default: passing
+    another value is refused (the program would silently ignore it).
+    """
+    args_spec, kwargs_spec = in_spec.child(0), in_spec.child(1)
+    n_positional, keywords = args_spec.num_children, list(kwargs_spec.context)
+    full = inspect.BoundArguments(arguments.signature, dict(arguments.arguments))
+    full.apply_defaults()
+    a, k = _as_called(full, n_positional)
+    if len(a) != n_positional:
+        raise SpecViolationError(
+            f"got {len(a)} positional arguments, the program was exported with {n_positional}",
+            hint="pass the arguments the way the example call to shapes.export did",
+        )
+    call_kwargs: dict[str, Any] = {}
+    for key in keywords:
+        if key not in k:
+            raise SpecViolationError(
+                f"the program was exported with keyword argument {key!r}, and this call does not give it",
+                where=f"argument {key!r}",
+            )
+        call_kwargs[key] = k.pop(key)
+    params = arguments.signature.parameters
+    for key, value in k.items():
+        given = key in arguments.arguments or key not in params
+        default = params[key].default if key in params else inspect.Parameter.empty
+        if given and not (default is not inspect.Parameter.empty and _same_constant(default, value)):
+            raise SpecViolationError(
+                f"{key} is {_show(value)}, but the program was exported without it"
+                + (f" and holds its default {default!r}" if default is not inspect.Parameter.empty else ""),
+                where=f"argument {key!r}",
+                hint="pass it in the example call to shapes.export to make it an input of the program",
+            )
+    return a, call_kwargs
+
+
+def _call_path(sig: inspect.Signature, path: tuple) -> str:
+    """A readable name for the leaf at ``path`` of ``(args, kwargs)``: ``n``, ``args[1]``, ``cache['k']``."""
+    top, rest = path[0].idx, path[1:]
+    if top == 1:
+        return str(path[1].key) + pytree.keystr(path[2:])
+    index = path[1].idx
+    positional = [p for p in sig.parameters.values() if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if index < len(positional):
+        return positional[index].name + pytree.keystr(rest[1:])
+    var = next((p.name for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_POSITIONAL), "args")
+    return f"{var}[{index - len(positional)}]" + pytree.keystr(rest[1:])
 
 
 def _scalar_spec(spec: ShapesSpec, binding: Binding, scalars: list[Leaf], mod: torch.nn.Module) -> Any:
@@ -435,7 +567,13 @@ def _anchor_size(binding: Binding, name: str, arguments: dict[str, Any]) -> Any:
 
 @contextlib.contextmanager
 def _checking_forward(
-    mod: torch.nn.Module, spec: ShapesSpec, binding: Binding, scalars: list[Leaf], *, restate_divisors: bool
+    mod: torch.nn.Module,
+    spec: ShapesSpec,
+    binding: Binding,
+    scalars: list[Leaf],
+    *,
+    restate_divisors: bool,
+    int_symbols: dict[Any, str] | None = None,
 ) -> Iterator[None]:
     """While exporting, run ``forward`` behind checks written with ``torch._check``:
 
@@ -446,7 +584,9 @@ def _checking_forward(
       of its own that keeps the symbols and ranges but not the divisibility facts.
 
     The vars' values are read from the traced arguments, never closed over:
-    Dynamo cannot take a SymInt from outside the frame.
+    Dynamo cannot take a SymInt from outside the frame. Non-strict, the symbol
+    torch made for each var an int argument binds goes into ``int_symbols``
+    (for error messages in ShapeVar terms).
     """
     divisors = [n for n, v in spec.vars.items() if v.multiple_of > 1] if restate_divisors else []
     if not scalars and not divisors:
@@ -465,6 +605,8 @@ def _checking_forward(
             value = leaf.get(arguments.arguments)
             dim = leaf.entry.dim
             if dim.is_var and binding.anchor[dim.name] is leaf:
+                if int_symbols is not None and isinstance(value, torch.SymInt):
+                    int_symbols[value.node.expr] = dim.name
                 if dim.multiple_of > 1 and dim.name not in divisors:
                     torch._check(value % dim.multiple_of == 0)
                 continue
@@ -511,8 +653,9 @@ def make_fx(
     @functools.wraps(fn if not isinstance(fn, torch.nn.Module) else fn.forward)
     def trace(*args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         binding = bind(spec, fn, args, kwargs)
-        inputs = make_symbolic_inputs(spec, binding, export=False)
         sig = binding.arguments.signature
+        _apply_named_defaults(binding.arguments)
+        inputs = make_symbolic_inputs(spec, binding, export=False)
         fake = sig.bind(*inputs.args, **inputs.kwargs)  # the same binding, fakes in place
         if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD and p.kind is not inspect.Parameter.POSITIONAL_ONLY
                for p in sig.parameters.values()) or inputs.kwargs:
@@ -542,6 +685,21 @@ def make_fx(
     return trace
 
 
+def _apply_named_defaults(arguments: inspect.BoundArguments) -> None:
+    """Fill in every named parameter the call left out with its default (in place).
+
+    torch's ``make_fx`` passes one value per named parameter of the traced
+    function; the graph then takes the defaults as inputs too, and its input
+    check fills them in when a call leaves them out. ``*args`` / ``**kwargs``
+    that were not passed stay absent.
+    """
+    given = set(arguments.arguments)
+    arguments.apply_defaults()
+    for p in arguments.signature.parameters.values():
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) and p.name not in given:
+            del arguments.arguments[p.name]
+
+
 def _call_arguments(sig: inspect.Signature, names: list[str], flat: Any) -> tuple[list[Any], dict[str, Any]]:
     """``fn``'s ``(args, kwargs)`` from one value per parameter in ``names`` (``*args`` a tuple, ``**kwargs`` a dict)."""
     a: list[Any] = []
@@ -561,23 +719,36 @@ def _call_arguments(sig: inspect.Signature, names: list[str], flat: Any) -> tupl
 
 class _InputCheck:
     """A forward pre-hook on the graph :func:`make_fx` returns: each call's inputs
-    are checked against the spec, and every tensor dim the graph was traced
-    static (an int or ``None`` in the spec, or a parameter the spec does not
-    name) against the size it was traced with -- the graph would otherwise
-    run and return a wrong-shaped result."""
+    are checked against the spec, and everything the graph was traced static
+    against what it was traced with -- every tensor dim traced as an int (an int
+    or ``None`` in the spec, or a parameter the spec does not name), and every
+    non-tensor value the spec does not declare (an ``int``, ``float``, ``bool``,
+    ``str``, ...: make_fx bakes it into the graph as a constant). The graph
+    would otherwise run and silently compute with the traced value."""
 
     def __init__(self, spec: ShapesSpec, sig: inspect.Signature, names: list[str], traced: list[Any]):
         self.spec, self.sig, self.names = spec, sig, names
-        self.static: list[tuple[str, tuple[int | None, ...]]] = []
+        #: per argument: its pytree structure and, per leaf, (path, traced static value or dims)
+        self.static: list[tuple[Any, list[tuple[str, Any]]]] = []
         for name, value in zip(names, traced):
-            for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+            flat, tree = pytree.tree_flatten_with_path(value)
+            leaves = []
+            for path, leaf in flat:
                 if isinstance(leaf, torch.Tensor):
-                    dims = tuple(None if isinstance(d, torch.SymInt) else int(d) for d in leaf.shape)
-                    self.static.append((name + pytree.keystr(path), dims))
+                    leaf = _TracedTensor(tuple(None if isinstance(d, torch.SymInt) else int(d) for d in leaf.shape))
+                elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                    leaf = _DYNAMIC  # declared in the spec: checked by bind()
+                leaves.append((name + pytree.keystr(path), leaf))
+            self.static.append((tree, leaves))
 
-    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple | None:
         if is_tracing(args):
-            return
+            return None
+        filled = len(args) < len(self.names) and all(
+            self.sig.parameters[n].default is not inspect.Parameter.empty for n in self.names[len(args):]
+        )
+        if filled:  # a call leaving out defaulted parameters, as the traced call may have
+            args = tuple(args) + tuple(self.sig.parameters[n].default for n in self.names[len(args):])
         if len(args) != len(self.names):
             raise SpecViolationError(
                 f"the graph takes {len(self.names)} inputs ({', '.join(self.names)}), got {len(args)}",
@@ -585,27 +756,80 @@ class _InputCheck:
             )
         a, k = _call_arguments(self.sig, self.names, args)
         bind(self.spec, None, tuple(a), k, sig=self.sig)
-        tensors = [
-            leaf
-            for name, value in zip(self.names, args)
-            for _, leaf in pytree.tree_flatten_with_path(value)[0]
-            if isinstance(leaf, torch.Tensor)
-        ]
-        if len(tensors) != len(self.static):
-            raise SpecViolationError(f"the graph was traced with {len(self.static)} tensors, got {len(tensors)}")
-        for (path, dims), t in zip(self.static, tensors):
-            if t.dim() != len(dims):
+        for name, value, (tree, traced) in zip(self.names, args, self.static):
+            flat, got_tree = pytree.tree_flatten(value)
+            if got_tree != tree:
                 raise SpecViolationError(
-                    f"got a tensor with {t.dim()} dims {tuple(t.shape)}, the graph was traced with {len(dims)}",
-                    where=f"argument {path!r}",
+                    f"{name} has the structure {got_tree}, but the graph was traced with {tree}",
+                    where=f"argument {name!r}",
+                    hint="pass the same structure as when tracing, or trace again",
                 )
-            for i, (want, got) in enumerate(zip(dims, t.shape)):
-                if want is not None and want != got:
-                    raise SpecViolationError(
-                        f"{path} dim {i} has size {got}, but the graph was traced with the static size {want}",
-                        where=f"argument {path!r}",
-                        hint="declare the dim with a ShapeVar in the spec to make it dynamic, or trace again",
-                    )
+            for (path, want), got in zip(traced, flat):
+                _check_static_leaf(path, want, got)
+        return args if filled else None
+
+
+class _TracedTensor(tuple):
+    """A tensor leaf's dims as traced: an int where static, None where symbolic."""
+
+
+_DYNAMIC = object()  # a leaf traced symbolic: nothing to compare
+
+
+def _same_constant(want: Any, got: Any) -> bool:
+    """Whether ``got`` is the value the graph baked in as ``want``: the same type
+    (``5`` and ``5.0`` and ``True`` trace differently) and equal (``nan`` equals
+    ``nan``); an object without a plain ``==`` must be the same object."""
+    if got is want:
+        return True
+    if type(got) is not type(want):
+        return False
+    try:
+        equal = want == got
+    except Exception:
+        return False
+    if not isinstance(equal, bool):  # e.g. an elementwise comparison
+        return False
+    return equal or (isinstance(want, (float, complex)) and want != want and got != got)
+
+
+def _show(value: Any) -> str:
+    """A value for a message: a tensor by its shape, anything else by a short repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _check_static_leaf(path: str, want: Any, got: Any) -> None:
+    where = f"argument {path!r}"
+    if want is _DYNAMIC:
+        return
+    if isinstance(want, _TracedTensor):
+        if not isinstance(got, torch.Tensor):
+            raise SpecViolationError(f"got {type(got).__name__}, the graph was traced with a tensor", where=where)
+        if got.dim() != len(want):
+            raise SpecViolationError(
+                f"got a tensor with {got.dim()} dims {tuple(got.shape)}, the graph was traced with {len(want)}",
+                where=where,
+            )
+        for i, (size, actual) in enumerate(zip(want, got.shape)):
+            if size is not None and size != actual:
+                raise SpecViolationError(
+                    f"{path} dim {i} has size {actual}, but the graph was traced with the static size {size}",
+                    where=where,
+                    hint="declare the dim with a ShapeVar in the spec to make it dynamic, or trace again",
+                )
+        return
+    if not _same_constant(want, got):
+        dynamic = "declare it in the spec as an int size (a ShapeVar) to make it dynamic, or trace again"
+        raise SpecViolationError(
+            f"{path} is {_show(got)}, but the graph was traced with the static value "
+            f"{_show(want)}, which it holds as a constant",
+            where=where,
+            hint=dynamic if type(want) is int else "trace again with this value",
+        )
 
 
 # -- compile --------------------------------------------------------------------------

@@ -199,7 +199,16 @@ def to_dynamic_shapes(spec: ShapesSpec, fn: Any = None) -> dict[str, Any]:
             # ints stay: torch.export reads an int dim as "static, must equal"
             return {i: dim(d, f"{where} dim {i}") for i, d in enumerate(e.dims) if d is not None}
         if isinstance(e, ScalarEntry):
-            return dim(e.dim, where) if isinstance(e.dim, DimExpr) else None
+            if isinstance(e.dim, DimExpr):
+                # torch.export takes only Dim.DYNAMIC / Dim.AUTO for an int: it would
+                # lose the tie to the var (and its range), so refuse rather than weaken
+                raise ShapeSpecError(
+                    f"int argument declared as {e.dim}: torch.export's dynamic_shapes cannot make an int "
+                    "argument a named Dim (only Dim.DYNAMIC, which drops its tie to the ShapeVar)",
+                    where=where,
+                    hint="use branchyard.shapes.export, which takes the ShapesSpec directly, or leave the int static",
+                )
+            return None
         if isinstance(e, SeqEntry):
             return [entry(x, f"{where}[{i}]") for i, x in enumerate(e.items)]
         return {k: entry(x, f"{where}[{k!r}]") for k, x in e.items}
@@ -281,11 +290,17 @@ def from_dynamic_shapes(
             var = ShapeVar(_fold_name(root.__name__), min=a * lo, max=None if hi is None else a * hi, multiple_of=a)
             folded[root.__name__] = (var, a)
 
-    def var_for_root(d: Any) -> ShapeVar:
+    def var_for_root(d: Any, where: str) -> ShapeVar:
         name = d.__name__
-        if name not in vars:
-            vars[name] = ShapeVar(name, min=_dim_bound(d.min) or 0, max=_dim_bound(d.max))
-        return vars[name]
+        var = ShapeVar(name, min=_dim_bound(d.min) or 0, max=_dim_bound(d.max))
+        if name in vars and not vars[name].same_as(var):
+            # torch.export refuses this too; merging would let one slot take the other's range
+            raise ShapeSpecError(
+                f"two different Dims are named {name!r}: {vars[name].describe_range()} and {var.describe_range()}",
+                where=where,
+                hint="give them distinct names, or reuse one Dim object",
+            )
+        return vars.setdefault(name, var)
 
     def convert_dim(d: Any, where: str) -> Any:
         if d is None or isinstance(d, int):
@@ -298,7 +313,7 @@ def from_dynamic_shapes(
         if isinstance(d, _DerivedDim):
             expr, a, b = linear(d)
             if d.root.__name__ in bare_roots:
-                var = var_for_root(d.root)
+                var = var_for_root(d.root, where)
                 return DimExpr(expr, {var.name: var})
             if d.root.__name__ not in folded or a % folded[d.root.__name__][1]:
                 raise ShapeSpecError(
@@ -309,7 +324,7 @@ def from_dynamic_shapes(
             var, m = folded[d.root.__name__]
             return var if (a, b) == (m, 0) else (a // m) * var + b
         if isinstance(d, Dim):
-            return var_for_root(d)
+            return var_for_root(d, where)
         raise ShapeSpecError(f"cannot read {d!r} as a dim", where=where)
 
     def convert(v: Any, where: str, example: Any) -> Any:

@@ -41,7 +41,9 @@ negative (``s - 1`` at ``s = 0``), no input can have it, and validation says so.
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Union
@@ -278,15 +280,40 @@ class ShapesSpec:
 
     @classmethod
     def from_json(cls, text: str) -> "ShapesSpec":
-        """Read a spec written by :meth:`to_json`."""
+        """Read a spec written by :meth:`to_json`.
+
+        The document is checked field by field (a :class:`~branchyard.errors.ShapeSpecError`
+        names the field); dim expressions are parsed by a small parser of
+        ``+ - * **``, parentheses, ints and the declared vars' names, never evaluated.
+        """
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, TypeError) as e:
             raise ShapeSpecError(f"not JSON: {e}") from e
+        except RecursionError:
+            raise ShapeSpecError("not a spec: the JSON is nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != JSON_FORMAT:
             raise ShapeSpecError(f"not a {JSON_FORMAT} document (format={doc.get('format') if isinstance(doc, dict) else None!r})")
-        vars = {v["name"]: ShapeVar(v["name"], min=v["min"], max=v["max"], multiple_of=v["multiple_of"]) for v in doc["vars"]}
-        params = {name: _entry_from_json(e, vars, where=f"argument {name!r}") for name, e in doc["params"].items()}
+        _check_keys(doc, {"format", "vars", "params"}, "the document")
+        if not isinstance(doc["vars"], list):
+            raise ShapeSpecError(f"'vars' must be a list of ShapeVars, got {_json_type(doc['vars'])}", where="JSON 'vars'")
+        vars: dict[str, ShapeVar] = {}
+        for i, v in enumerate(doc["vars"]):
+            var = _var_from_json(v, f"JSON vars[{i}]")
+            if var.name in vars:
+                raise ShapeSpecError(
+                    f"ShapeVar {var.name!r} is declared twice ({vars[var.name]!r} and {var!r})", where=f"JSON vars[{i}]"
+                )
+            vars[var.name] = var
+        if not isinstance(doc["params"], dict):
+            raise ShapeSpecError(
+                f"'params' must be an object from parameter name to entry, got {_json_type(doc['params'])}",
+                where="JSON 'params'",
+            )
+        try:
+            params = {name: _entry_from_json(e, vars, where=f"argument {name!r}") for name, e in doc["params"].items()}
+        except RecursionError:
+            raise ShapeSpecError("not a spec: its entries are nested too deeply", where="JSON 'params'") from None
         return cls(params)
 
     # -- conversions (torch's own spec types) -----------------------------------------
@@ -348,23 +375,103 @@ def _entry_to_json(e: Entry | None) -> Any:
     return {"dict": [[k, _entry_to_json(x)] for k, x in e.items]}
 
 
-_EXPR_TOKENS = re.compile(r"[A-Za-z_]\w*|\d+|[+\-*()\s]")
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _check_keys(obj: dict, expected: set[str], where: str) -> None:
+    missing, extra = sorted(expected - set(obj)), sorted(set(obj) - expected)
+    if missing:
+        raise ShapeSpecError(f"missing field {missing[0]!r}", where=where)
+    if extra:
+        raise ShapeSpecError(f"unknown field {extra[0]!r} (expected {sorted(expected)})", where=where)
+
+
+def _var_from_json(v: Any, where: str) -> ShapeVar:
+    if not isinstance(v, dict):
+        raise ShapeSpecError(f"a ShapeVar is an object with name, min, max, multiple_of; got {_json_type(v)}", where=where)
+    _check_keys(v, {"name", "min", "max", "multiple_of"}, where)
+    for field in ("min", "max", "multiple_of"):  # ShapeVar takes None for each of them
+        if v[field] is not None and (type(v[field]) is not int):
+            raise ShapeSpecError(f"{field!r} must be an integer or null, got {_json_type(v[field])} {v[field]!r}", where=where)
+    try:
+        return ShapeVar(v["name"], min=v["min"], max=v["max"], multiple_of=v["multiple_of"])
+    except ShapeSpecError as e:
+        raise ShapeSpecError(str(e), where=where) from e
+
+
+#: The tokens a dim expression may hold (as ``str(DimExpr)`` writes it): names (any
+#: identifier, ``ü`` and keywords like ``lambda`` included), ASCII integers, ``+ - * ( )``.
+_EXPR_TOKEN = re.compile(r"([^\W\d]\w*)|([0-9]+)|(\s+|[+\-*()])")
+_MAX_POWER = 64  # b**2 is what b*b prints as; a huge power of an int would never end
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _parse_dim_expr(text: str, vars: Mapping[str, ShapeVar], where: str) -> sympy.Expr:
+    """``text`` (``2*batch + 1``, ``b**2``, ``(s - 1)*h``) as a sympy expression over
+    the vars' symbols. Python's parser reads it, with each name replaced by a
+    placeholder first (so ``lambda`` or ``None`` are names); only ``+ - *``,
+    integer powers, ints and the declared names are taken, nothing is evaluated."""
+    shown = text if len(text) <= 60 else text[:57] + "..."
+
+    def bad(why: str) -> ShapeSpecError:
+        return ShapeSpecError(f"bad dim expression {shown!r} in JSON: {why}", where=where)
+
+    names: list[str] = []
+    pieces, pos = [], 0
+    for m in _EXPR_TOKEN.finditer(text):
+        if m.start() != pos:
+            break
+        pos = m.end()
+        if m.group(1):
+            names.append(m.group(1))
+            pieces.append(f"_v{len(names) - 1}")
+        else:
+            pieces.append(m.group(0))
+    if pos != len(text):
+        raise bad(f"unexpected {text[pos:pos + 20]!r}")
+    unknown = sorted(set(names) - set(vars))
+    if unknown:
+        raise ShapeSpecError(f"dim {text!r} names undeclared ShapeVar(s) {unknown}", where=where)
+    if not text.strip():
+        raise bad("it is empty")
+    try:
+        tree = ast.parse("".join(pieces), mode="eval").body
+    except SyntaxError as e:
+        raise bad(e.msg) from None
+    except (RecursionError, MemoryError):
+        raise bad("nested too deeply") from None
+
+    def build(node: ast.expr) -> sympy.Expr:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return sympy.Integer(node.value)
+        if isinstance(node, ast.Name):
+            return vars[names[int(node.id[2:])]].symbol
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -build(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            exp = node.right
+            if not (isinstance(exp, ast.Constant) and type(exp.value) is int and 1 <= exp.value <= _MAX_POWER):
+                raise bad(f"a power must be an integer from 1 to {_MAX_POWER}")
+            return build(node.left) ** exp.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](build(node.left), build(node.right))
+        raise bad("only +, -, *, integer powers, integers and ShapeVar names are allowed")
+
+    try:
+        return build(tree)
+    except RecursionError:
+        raise bad("nested too deeply") from None
 
 
 def _dim_from_json(d: Any, vars: Mapping[str, ShapeVar], where: str) -> Dim:
-    if d is None or isinstance(d, int):
+    if d is None or type(d) is int:  # not bool: JSON true is no size
         return d
     if not isinstance(d, str):
-        raise ShapeSpecError(f"bad dim {d!r} in JSON", where=where)
-    # Only names of declared vars, ints, + - * and parentheses: checked before
-    # sympy sees the text, so parsing never evaluates anything else.
-    tokens = _EXPR_TOKENS.findall(d)
-    if "".join(tokens) != d:
-        raise ShapeSpecError(f"bad dim expression {d!r} in JSON", where=where)
-    unknown = sorted({t for t in tokens if t[0].isalpha() or t[0] == "_"} - set(vars))
-    if unknown:
-        raise ShapeSpecError(f"dim {d!r} names undeclared ShapeVar(s) {unknown}", where=where)
-    expr = sympy.parse_expr(d, local_dict={n: v.symbol for n, v in vars.items()}, global_dict={"Integer": sympy.Integer, "Symbol": sympy.Symbol})
+        raise ShapeSpecError(f"bad dim {json.dumps(d)} in JSON: a dim is an integer, null or an expression string", where=where)
+    expr = _parse_dim_expr(d, vars, where)
     if isinstance(expr, sympy.Symbol):
         return vars[expr.name]
     return DimExpr(expr, vars)
@@ -374,14 +481,30 @@ def _entry_from_json(e: Any, vars: Mapping[str, ShapeVar], where: str) -> Entry 
     if e is None:
         return None
     if not isinstance(e, dict) or len(e) != 1:
-        raise ShapeSpecError(f"bad entry {e!r} in JSON", where=where)
+        raise ShapeSpecError(
+            f"bad entry {json.dumps(e)} in JSON: an entry is null or an object with one of 'tensor', 'int', 'seq', 'dict'",
+            where=where,
+        )
     ((kind, body),) = e.items()
-    if kind == "tensor":
-        return TensorEntry(tuple(_dim_from_json(d, vars, f"{where} dim {i}") for i, d in enumerate(body)))
     if kind == "int":
         return ScalarEntry(_dim_from_json(body, vars, where))
+    if kind not in ("tensor", "seq", "dict"):
+        raise ShapeSpecError(f"unknown entry kind {kind!r} in JSON", where=where)
+    if not isinstance(body, list):
+        raise ShapeSpecError(f"a {kind!r} entry holds a list, got {_json_type(body)}", where=where)
+    if kind == "tensor":
+        return TensorEntry(tuple(_dim_from_json(d, vars, f"{where} dim {i}") for i, d in enumerate(body)))
     if kind == "seq":
         return SeqEntry(tuple(_entry_from_json(x, vars, f"{where}[{i}]") for i, x in enumerate(body)))
-    if kind == "dict":
-        return MapEntry(tuple((k, _entry_from_json(x, vars, f"{where}[{k!r}]")) for k, x in body))
-    raise ShapeSpecError(f"unknown entry kind {kind!r} in JSON", where=where)
+    items: list[tuple[str | int, Entry | None]] = []
+    for i, pair in enumerate(body):
+        if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) in (str, int)):
+            raise ShapeSpecError(
+                f"a 'dict' entry holds [key, entry] pairs with a string or integer key, got {json.dumps(pair)}",
+                where=f"{where} dict item {i}",
+            )
+        key = pair[0]
+        if any(k == key for k, _ in items):
+            raise ShapeSpecError(f"key {key!r} appears twice", where=where)
+        items.append((key, _entry_from_json(pair[1], vars, f"{where}[{key!r}]")))
+    return MapEntry(tuple(items))

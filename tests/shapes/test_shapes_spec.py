@@ -303,3 +303,75 @@ def test_a_subclass_or_an_instance_replaces_its_decorated_class_spec_but_one_obj
     assert inst(torch.ones(5, 4)).shape == (5, 2)
     with pytest.raises(ShapeSpecError, match="already attached"):
         dynamic_spec({"input": (a, 4)})(inst)
+
+
+@pytest.mark.parametrize("name", ["lambda", "None", "True", "if", "ü", "E", "I", "oo", "Integer", "Symbol", "pi", "_x1"])
+def test_json_round_trips_every_legal_var_name(name):
+    v, h = ShapeVar(name, min=2, max=8), ShapeVar("h", min=1, max=4)
+    spec = ShapesSpec({"x": (v, v + 1, 2 * v * h, v * v), "h": h, "n": v - 1})
+    back = ShapesSpec.from_json(spec.to_json())
+    assert back == spec
+    assert str(back.params["x"]) == str(spec.params["x"])
+    assert back.params["x"].dims[3].evaluate({name: 5}) == 25
+
+
+_F = '{"format": "branchyard.shapes/1", '
+_B = '{"name": "b", "min": 1, "max": 3, "multiple_of": 1}'
+
+
+@pytest.mark.parametrize(
+    "doc, match",
+    [
+        (_F + '"params": {}}', "the document: missing field 'vars'"),
+        (_F + '"vars": [], "params": {}, "extra": 1}', "unknown field 'extra'"),
+        (_F + '"vars": {}, "params": {}}', "JSON 'vars': 'vars' must be a list"),
+        (_F + '"vars": [{"name": "b", "min": 1, "multiple_of": 1}], "params": {}}', "JSON vars\\[0\\]: missing field 'max'"),
+        (_F + '"vars": [{"name": "b", "min": true, "max": 3, "multiple_of": 1}], "params": {}}', "'min' must be an integer"),
+        (_F + '"vars": [{"name": "2b", "min": 1, "max": 3, "multiple_of": 1}], "params": {}}', "vars\\[0\\]: ShapeVar name"),
+        (_F + '"vars": [5], "params": {}}', "JSON vars\\[0\\]: a ShapeVar is an object"),
+        (_F + '"vars": [], "params": [1]}', "JSON 'params': 'params' must be an object"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["b", "(b"]}}}', "'x' dim 1: bad dim expression '\\(b' in JSON: '\\(' was never closed"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["b", "2 b"]}}}', "'x' dim 1: bad dim expression '2 b' in JSON: invalid syntax"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["b", "b ** 200"]}}}', "a power must be an integer from 1 to 64"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["b", "b / 2"]}}}', "bad dim expression 'b / 2' in JSON: unexpected '/ 2'"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["b", "b(2)"]}}}', "'b\\(2\\)' in JSON: only \\+, -, \\*, integer powers"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["b", ""]}}}', "'x' dim 1: bad dim expression '' in JSON: it is empty"),
+        (_F + '"vars": [], "params": {"x": {"tensor": 5}}}', "argument 'x': a 'tensor' entry holds a list"),
+        (_F + '"vars": [], "params": {"x": {"tensor": [true]}}}', "argument 'x' dim 0: bad dim true"),
+        (_F + '"vars": [], "params": {"x": {"int": 2.5}}}', "argument 'x': bad dim 2.5"),
+        (_F + '"vars": [], "params": {"x": {"dict": [1]}}}', "argument 'x' dict item 0: a 'dict' entry holds \\[key, entry\\] pairs"),
+        (_F + '"vars": [], "params": {"x": {"dict": [["k", null], ["k", null]]}}}', "key 'k' appears twice"),
+        (_F + '"vars": [], "params": {"x": {"tuple": []}}}', "unknown entry kind 'tuple'"),
+        (_F + '"vars": [' + _B + ', {"name": "b", "min": 1, "max": 300, "multiple_of": 1}], "params": {"x": {"tensor": ["b"]}}}',
+         "JSON vars\\[1\\]: ShapeVar 'b' is declared twice"),
+        (_F + '"vars": [' + _B + '], "params": {"x": {"tensor": ["' + "(" * 3000 + "b" + ")" * 3000 + '"]}}}', "too many nested parentheses"),
+        ("[" * 100000, "nested too deeply"),
+    ],
+)
+def test_malformed_json_is_a_spec_error_naming_the_field(doc, match):
+    with pytest.raises(ShapeSpecError, match=match):
+        ShapesSpec.from_json(doc)
+
+
+def test_from_dynamic_shapes_rejects_same_named_dims_with_different_ranges():
+    # torch.export refuses this too; merging would let y take x's range
+    with pytest.raises(ShapeSpecError, match=r"y dim 0: two different Dims are named 'a': 2 <= a <= 9 and 2 <= a <= 100"):
+        ShapesSpec.from_dynamic_shapes({"x": [Dim("a", min=2, max=9)], "y": [Dim("a", min=2, max=100)]})
+    with pytest.raises(ShapeSpecError, match="y dim 0: two different Dims are named 'a'"):
+        ShapesSpec.from_dynamic_shapes({"x": [Dim("a", min=2, max=9)], "y": [2 * Dim("a", min=2, max=100)]})
+    same = ShapesSpec.from_dynamic_shapes({"x": [Dim("a", min=2, max=9)], "y": [Dim("a", min=2, max=9)]})
+    assert list(same.vars) == ["a"] and same.vars["a"].max == 9
+
+
+def test_to_dynamic_shapes_refuses_an_int_argument_torch_export_cannot_take():
+    b = ShapeVar("b", min=2, max=64)
+
+    class M(torch.nn.Module):
+        def forward(self, x, n):
+            return x.sum(1) * n
+
+    with pytest.raises(ShapeSpecError, match="n: int argument declared as b: torch.export's dynamic_shapes cannot"):
+        ShapesSpec({"x": (b, 4), "n": b}).to_dynamic_shapes(M())
+    ds = ShapesSpec({"x": (b, 4)}).to_dynamic_shapes(M())  # a static int stays None
+    assert ds["n"] is None
+    assert torch.export.export(M(), (torch.ones(5, 4), 5), dynamic_shapes=ds).module()(torch.ones(7, 4), 5).shape == (7,)

@@ -642,7 +642,7 @@ def match_chain(node: Node, *, defer: bool = True) -> EpilogueChain:
         chain.plain = not chain.deferred  # a deferred matmul is left for its sibling's chain
     elif _is_only_root_bias(chain):
         chain.reason = (
-            f"only the matmul's own bias, which addmm already applies in its epilogue; {chain.stop}"
+            f"only the matmul's own bias, which its addmm or linear already applies; {chain.stop}"
         )
         chain.plain = True
     return chain

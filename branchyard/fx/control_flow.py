@@ -70,7 +70,7 @@ from torch._ops import HigherOrderOperator
 from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH
-from branchyard.errors import MalformedGraphError
+from branchyard.errors import InternalError, MalformedGraphError
 from branchyard.fx.graph_walk import graph_path, note_subgraph, resolve_attr
 from branchyard.fx.mutation import has_effects
 from branchyard.fx.raise_free import may_raise
@@ -99,6 +99,7 @@ __all__ = [
     "switch_parts",
     "while_loop_parts",
     "graph_outputs",
+    "output_node",
     "emit",
     "fake_mode_of",
     "describe_node",
@@ -109,6 +110,7 @@ __all__ = [
     "erase_dead_inputs",
     "replace_with_outputs",
     "returns_sequence",
+    "merged_output_sizes",
 ]
 
 
@@ -194,10 +196,25 @@ def _value_key(node: Node) -> str:
     return "example_value" if "example_value" in node.meta and "val" not in node.meta else "val"
 
 
+def _graph_label(gm: GraphModule) -> str:
+    return graph_path(gm) or getattr(gm, "_branchyard_label", type(gm).__name__)
+
+
+def output_node(gm: GraphModule) -> Node:
+    """The output node of ``gm``; a graph without one (a branch must return
+    something) raises MalformedGraphError naming the graph."""
+    for n in reversed(gm.graph.nodes):
+        if n.op == "output":
+            return n
+    raise MalformedGraphError(
+        "graph has no output node", where=f"graph module {_graph_label(gm)!r}",
+        hint="end the graph with graph.output(...) returning the branch's values",
+    )
+
+
 def graph_outputs(gm: GraphModule) -> list[Any]:
     """The flat list of values ``gm``'s output node returns."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    ret = out.args[0]
+    ret = output_node(gm).args[0]
     return list(ret) if isinstance(ret, (tuple, list)) else [ret]
 
 
@@ -252,10 +269,52 @@ def _check_arity(node: Node, gms: Sequence[GraphModule], labels: Sequence[str], 
             )
 
 
-def _same_size(a: Any, b: Any) -> bool:
-    # Symbolic sizes may legitimately differ between branches (torch merges
-    # them into an unbacked symbol); only two concrete, different ints disagree.
-    return not (isinstance(a, int) and isinstance(b, int) and a != b)
+def _node_output(node: Node, i: int) -> Any:
+    """The example value of output ``i`` of the cond/switch ``node`` itself, or None."""
+    val = node_value(node)
+    if isinstance(val, (tuple, list)):
+        return val[i] if i < len(val) else None
+    return val if i == 0 else None
+
+
+def _merged_size(node: Node, i: int, d: int) -> bool:
+    """Whether ``node``'s own output ``i`` has a symbolic size in dim ``d``:
+    torch.export (2.14) accepts branches returning different concrete sizes
+    there and merges them into an unbacked symbol in the node's meta."""
+    out = _node_output(node, i)
+    return isinstance(out, torch.Tensor) and d < out.dim() and isinstance(out.shape[d], torch.SymInt)
+
+
+def _size_text(x: Any) -> str:
+    return str(x) if isinstance(x, (int, torch.SymInt)) else repr(x)
+
+
+def merged_output_sizes(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> str | None:
+    """Where the branches of the cond/switch ``node`` return different sizes
+    (which torch merges into an unbacked size of ``node``'s output), as
+    text for a skip reason; None when every branch returns the same sizes.
+    Sizes are compared as written (``s0`` and ``s0`` agree, ``2`` and ``u0``
+    do not), so a pass keeping such a node intact errs on the safe side."""
+    ref = [node_value(v) for v in graph_outputs(branches[0])]
+    for gm, label in zip(branches[1:], labels[1:]):
+        for i, (a, b) in enumerate(zip(ref, (node_value(v) for v in graph_outputs(gm)))):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
+                continue
+            for d, (x, y) in enumerate(zip(a.shape, b.shape)):
+                if _size_text(x) != _size_text(y):
+                    out = _node_output(node, i)
+                    merged = f" (merged into {out.shape[d]})" if _merged_size(node, i, d) else ""
+                    return (f"output {i} dim {d} is {_size_text(x)} in {labels[0]} "
+                            f"but {_size_text(y)} in {label}{merged}")
+    return None
+
+
+def _same_size(node: Node, i: int, d: int, a: Any, b: Any) -> bool:
+    # Symbolic sizes may legitimately differ between branches; two concrete,
+    # different ints only where the node's own output merged them into a
+    # symbol (torch.export does that for a cond whose branches return
+    # different sizes).
+    return not (isinstance(a, int) and isinstance(b, int) and a != b) or _merged_size(node, i, d)
 
 
 def _check_branch_outputs(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> None:
@@ -286,7 +345,8 @@ def _check_branch_outputs(node: Node, branches: Sequence[GraphModule], labels: S
                     where=describe_node(node),
                     hint="branches must agree in dtype; cast inside the branch",
                 )
-            if a.dim() != b.dim() or not all(_same_size(x, y) for x, y in zip(a.shape, b.shape)):
+            sizes = enumerate(zip(a.shape, b.shape))
+            if a.dim() != b.dim() or not all(_same_size(node, i, d, x, y) for d, (x, y) in sizes):
                 raise MalformedGraphError(
                     f"output {i} has shape {tuple(a.shape)} in {labels[0]} but {tuple(b.shape)} in {label}",
                     where=describe_node(node),
@@ -634,8 +694,7 @@ def new_graph_module(attrs: dict[str, Any], graph: Graph) -> GraphModule:
 def returns_sequence(gm: GraphModule) -> bool:
     """Whether ``gm`` returns a tuple/list (then a cond/switch over it yields
     a sequence that ``getitem`` picks from) rather than a bare value."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    return isinstance(out.args[0], (tuple, list))
+    return isinstance(output_node(gm).args[0], (tuple, list))
 
 
 def inline_graph(
@@ -655,11 +714,20 @@ def inline_graph(
     ``node`` and returns its value in the same way; when that is a tuple,
     ``getitem`` nodes on it resolve to its elements directly. Nodes in
     ``drop`` are not copied (the get_attrs of a replaced node). ``get_attr``
-    nodes are re-pointed at copies stored in ``sink``.
+    nodes are re-pointed at copies stored in ``sink``. A graph without an
+    output node, or given a different number of ``args`` than it has
+    placeholders, raises MalformedGraphError naming it.
     """
     replace = replace or {}
     env: dict[Node, Any] = {}
     multi: dict[Node, Sequence[Any]] = {}
+    output_node(src)  # a graph without one is malformed: say which, before copying anything
+    n_inputs = len(placeholders(src))
+    if n_inputs != len(args):
+        raise MalformedGraphError(
+            f"graph takes {n_inputs} inputs but is inlined with {len(args)} values",
+            where=f"graph module {_graph_label(src)!r}",
+        )
     it = iter(args)
     for n in src.graph.nodes:
         if n.op == "placeholder":
@@ -680,7 +748,7 @@ def inline_graph(
             env[n].meta = dict(n.meta)
         else:
             env[n] = dst.node_copy(n, env.__getitem__)
-    raise MalformedGraphError("graph has no output node", where=f"graph module {type(src).__name__}")
+    raise InternalError("inline_graph walked past the output node", where=f"graph module {_graph_label(src)!r}")
 
 
 def erase_dead_inputs(graph: Graph, nodes: Sequence[Any]) -> None:

@@ -30,7 +30,10 @@ last branch (:mod:`branchyard.fx.control_flow`)::
             return lowered(index, operands, lo, mid)
         return lowered(index, operands, mid, hi)
 
-The tree has ``n - 1`` conds and depth ``ceil(log2(n))``. A one-branch
+The tree has ``n - 1`` conds and depth ``ceil(log2(n))``. A tensor index
+whose dtype cannot hold every split constant (int8 with more than 129
+branches, uint8 with more than 257) is widened to int64 once, before the
+root cond, so that no comparison wraps. A one-branch
 switch, or one with a literal index, is replaced by the chosen branch's body.
 The switch may call ``torch.ops.higher_order.switch`` or the plain-Python
 :func:`branchyard.fx.control_flow.switch` (which always returns a tuple, so
@@ -120,8 +123,10 @@ def _used_operands(branch: GraphModule) -> frozenset[int]:
 class _Tree:
     """Builds the cond tree of one switch."""
 
-    def __init__(self, parts: SwitchParts, as_tuple: bool) -> None:
+    def __init__(self, parts: SwitchParts, as_tuple: bool, index: Any) -> None:
         self.parts = parts
+        #: The index the predicates compare (the switch's own, or it widened; see _comparable_index).
+        self.index = index
         self.kind = _index_kind(node_value(parts.index))
         self.out_meta = _value_meta(parts.node)
         self.used = [_used_operands(b) for b in parts.branches]
@@ -155,7 +160,7 @@ class _Tree:
         index = None
         if with_index:
             index = g.placeholder("index")
-            index.meta = _value_meta(self.parts.index)
+            index.meta = _value_meta(self.index)
         env: dict[int, Any] = {}
         for p in passed:
             op = self.parts.operands[p]
@@ -183,6 +188,24 @@ class _Tree:
         return item
 
 
+def _comparable_index(graph: Graph, parts: SwitchParts) -> Any:
+    """The switch's index, widened to int64 where a split constant would not
+    fit its dtype: ``aten.le.Scalar`` casts the constant to the index's dtype,
+    so with an int8 index ``index <= 199`` would compare against a wrapped
+    value and pick the wrong branch. The constants are ``0 .. n - 2``, so
+    int64 and uint64 never need it; without example values the dtype is
+    unknown and the index is widened once the constants leave int8's range."""
+    index = parts.index
+    val = node_value(index)
+    if _index_kind(val) != "tensor":
+        return index  # a SymInt compares as a Python int
+    largest = len(parts.branches) - 2
+    dtype = val.dtype if isinstance(val, torch.Tensor) else torch.int8
+    if dtype in (torch.int64, torch.uint64) or largest <= torch.iinfo(dtype).max:
+        return index
+    return emit(graph, aten._to_copy.default, (index,), {"dtype": torch.int64}, like=parts.node)
+
+
 def lower_switch(owner: GraphModule, node: Node, *, dead_attrs: set[str] | None = None) -> LoweredSwitch:
     """Replace the switch ``node`` of ``owner`` by a balanced cond tree (see the module docstring).
 
@@ -208,9 +231,10 @@ def lower_switch(owner: GraphModule, node: Node, *, dead_attrs: set[str] | None 
             out = inline_graph(graph, parts.branches[k], parts.operands, sink)
             replace_with_outputs(graph, node, (out,) if as_tuple and not isinstance(out, (tuple, list)) else out)
         else:
-            tree = _Tree(parts, as_tuple)
+            index = _comparable_index(graph, parts)
+            tree = _Tree(parts, as_tuple, index)
             env = dict(enumerate(parts.operands))
-            result.root = tree.split(graph, sink, parts.index, env, 0, n)
+            result.root = tree.split(graph, sink, index, env, 0, n)
             result.conds_created = tree.conds
             node.replace_all_uses_with(result.root)
     graph.erase_node(node)

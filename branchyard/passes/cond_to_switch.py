@@ -200,7 +200,8 @@ def _rewrite(tree: CondTree, dead_attrs: set[str]) -> None:
         root.replace_all_uses_with(result)
     graph.erase_node(root)
     erase_dead_inputs(graph, [plan.root.parts.pred, *plan.root.parts.operands])
-    for attr in (plan.root.parts.true_attr, plan.root.parts.false_attr):
+    # dict.fromkeys: both sides may read one get_attr node (the same subgraph), erased once.
+    for attr in dict.fromkeys((plan.root.parts.true_attr, plan.root.parts.false_attr)):
         if not attr.users:
             dead_attrs.add(str(attr.target))
             graph.erase_node(attr)

@@ -7,6 +7,9 @@ when
 
 * it contains exactly one cond node (two sequential conds would multiply the
   leaves; such a branch stays a leaf and its conds become roots of their own),
+* its branches return the same sizes (torch.export merges different ones
+  into an unbacked size that the program is written against; such a cond,
+  root or nested, is kept as it is),
 * that cond's predicate is a tensor, and
 * the predicate's backward slice is hoistable: every op in it is on the
   raise-free allow-list (:mod:`branchyard.passes.raise_free`: no indexing,
@@ -63,6 +66,7 @@ from branchyard.fx.control_flow import (
     graph_outputs,
     inline_graph,
     is_cond,
+    merged_output_sizes,
     node_value,
     placeholders,
     returns_sequence,
@@ -244,6 +248,19 @@ def _is_tensor_pred(pred: Any) -> bool:
     return isinstance(pred, Node) and isinstance(node_value(pred), torch.Tensor)
 
 
+def _merged_sizes_reason(parts: CondParts) -> str | None:
+    """Why a cond whose branches return different sizes is not flattened, or None.
+
+    torch.export accepts such a cond and gives its output an unbacked size
+    (``u0``) that the rest of the program (``sym_size``, runtime asserts) is
+    written against. A switch over the leaves would carry that symbol without
+    the cond that defines it, so the cond keeps its structure."""
+    where = merged_output_sizes(parts.node, [parts.true_gm, parts.false_gm], ["true branch", "false branch"])
+    if where is None:
+        return None
+    return f"its branches return different sizes ({where}); such a cond is kept as it is"
+
+
 def match_nested_cond(sub: _Sub, hoist: _Hoistability) -> CondParts | str | None:
     """The cond ``sub`` can absorb, a reason it cannot, or None if it holds no cond."""
     conds = [n for n in sub.gm.graph.nodes if is_cond(n)]
@@ -252,6 +269,9 @@ def match_nested_cond(sub: _Sub, hoist: _Hoistability) -> CondParts | str | None
     if len(conds) > 1:
         return f"branch graph holds {len(conds)} conds; only a single nested cond is flattened"
     parts = cond_parts(sub.gm, conds[0])
+    merged = _merged_sizes_reason(parts)
+    if merged is not None:
+        return f"{describe_node(conds[0])}: {merged}"
     if not _is_tensor_pred(parts.pred):
         return f"predicate of {describe_node(conds[0])} is not a tensor (a Python or symbolic bool)"
     why = hoist.reason(parts.pred, sub)
@@ -264,6 +284,8 @@ def _is_trivial(sub: _Sub, parts: CondParts) -> bool:
     node = parts.node
     if not returns_sequence(parts.true_gm):
         return False  # cond yields a bare value; getitem on it would index the tensor
+    if not returns_sequence(sub.gm):
+        return False  # the branch unwraps the cond's tuple (returns c[0] bare): its leaves must be inlined
     if not all(not isinstance(o, Node) or o.op == "placeholder" for o in parts.operands):
         return False
     outs = graph_outputs(sub.gm)
@@ -444,6 +466,9 @@ def analyze_cond_tree(
     root = _Cond(cond_parts(owner, node), None)
     if not _is_tensor_pred(root.parts.pred):
         return "predicate is not a tensor (a Python or symbolic bool); a switch index must be a tensor"
+    merged = _merged_sizes_reason(root.parts)
+    if merged is not None:
+        return merged
     hoist = _Hoistability()
     conds, leaves = [root], []
     m = len(root.parts.operands)

@@ -152,3 +152,58 @@ def test_random_switches_lower_to_the_same_function_with_minimal_operands(seed):
     for i in range(-2, n + 2):
         want = cf.switch(torch.tensor(i), branches, args)[0]
         torch.testing.assert_close(gm(torch.tensor(i), *args)[0], want, msg=f"seed {seed} index {i} used {used}")
+
+
+def _hop_switch(n: int, dtype: torch.dtype):
+    """A make_fx graph (example values in meta) with one n-way switch on an index of ``dtype``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(i, x):
+        return torch.ops.higher_order.switch(i, [(lambda k: lambda t: (t + k,))(k) for k in range(n)], (x,))
+
+    return make_fx(f)(torch.tensor(0, dtype=dtype), torch.zeros(2))
+
+
+def _widenings(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="torch.switch needs torch >= 2.14")
+@pytest.mark.parametrize("dtype, n", [(torch.int8, 200), (torch.uint8, 260)])
+def test_narrow_index_with_more_branches_than_its_dtype_holds_picks_the_right_branch(dtype, n):
+    # aten.le.Scalar casts its constant to the index's dtype: index <= 199 on
+    # an int8 index wrapped to index <= -57, and indices 100..127 ran branch 199.
+    gm = _hop_switch(n, dtype)
+    lowered = lower_switch(gm, next(x for x in gm.graph.nodes if cf.is_switch(x)))
+    gm.recompile()
+    (widen,) = _widenings(gm)
+    assert widen.kwargs == {"dtype": torch.int64} and widen.meta["val"].dtype == torch.int64
+    assert lowered.root.args[0].args[0] is widen, "the root predicate compares the widened index"
+    subtree = getattr(gm, lowered.root.args[2].target)
+    assert cf.placeholders(subtree)[0].meta["val"].dtype == torch.int64, "inner conds get the widened index"
+    info = torch.iinfo(dtype)
+    for i in range(info.min, info.max + 1):  # every value the index can hold
+        want = min(max(i, 0), n - 1)
+        got = gm(torch.tensor(i, dtype=dtype), torch.zeros(2))[0]
+        assert got.tolist() == [float(want)] * 2, f"index {i}"
+
+
+@pytest.mark.skipif(not HAS_SWITCH, reason="torch.switch needs torch >= 2.14")
+def test_narrow_index_whose_dtype_holds_every_split_constant_is_compared_as_it_is():
+    gm = _hop_switch(129, torch.int8)  # the largest constant, 127, fits int8
+    lower_switch(gm, next(x for x in gm.graph.nodes if cf.is_switch(x)))
+    gm.recompile()
+    assert _widenings(gm) == []
+    for i in (-128, 0, 64, 126, 127):
+        assert gm(torch.tensor(i, dtype=torch.int8), torch.zeros(2))[0].tolist() == [float(max(i, 0))] * 2
+
+
+def test_index_of_unknown_dtype_is_widened_once_constants_leave_int8():
+    # A symbolic_trace graph has no example values: the index may be int8.
+    branches = [(lambda k: lambda x: x + k)(k) for k in range(130)]
+    gm, sw = python_switch_module(branches, 1)
+    lower_switch(gm, sw)
+    gm.recompile()
+    assert len(_widenings(gm)) == 1
+    for i in (-128, 0, 100, 127):
+        assert gm(torch.tensor(i, dtype=torch.int8), torch.zeros(1))[0].item() == float(max(i, 0))

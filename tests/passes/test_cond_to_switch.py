@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ if not HAS_SWITCH:  # torch < 2.14 (e.g. the GPU machine): nothing to rewrite to
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from branchyard.errors import MalformedGraphError
-from branchyard.fx.control_flow import is_cond, is_switch
+from branchyard.fx.control_flow import AttrSink, inline_graph, is_cond, is_switch, returns_sequence
 from branchyard.passes import CondToSwitch, cond_to_switch, find_cond_trees
 from branchyard.registry import get_pass
 from branchyard.testing import assert_equivalent
@@ -498,6 +499,71 @@ def test_graph_failing_lint_is_rejected():
         cond_to_switch(gm)
 
 
+def test_branch_without_output_node_is_rejected_naming_the_graph():
+    # It was a bare StopIteration with an empty message (returns_sequence).
+    gm = nested_gm()
+    leaf = gm.false_graph_0
+    leaf.graph.erase_node(next(n for n in leaf.graph.nodes if n.op == "output"))
+    with pytest.raises(MalformedGraphError, match=r"^graph module 'false_graph_0': graph has no output node"):
+        cond_to_switch(gm)
+    with pytest.raises(MalformedGraphError, match=r"graph module 'false_graph_0': graph has no output node"):
+        inline_graph(torch.fx.Graph(), leaf, [None, None], AttrSink())
+
+
+def test_inlining_a_graph_with_the_wrong_number_of_values_is_rejected():
+    gm = nested_gm()
+    with pytest.raises(MalformedGraphError, match=r"graph takes 2 inputs but is inlined with 1 values"):
+        inline_graph(torch.fx.Graph(), gm.false_graph_0, [None], AttrSink())
+
+
+class SizeMerging(torch.nn.Module):
+    """idx == 0 ? x[:1] + 5 : (idx == 1 ? x[:2] * 2 : x[:3] - 1): torch.export merges
+    the branches' sizes into unbacked symbols (u0 inside, u2 at the root)."""
+
+    def forward(self, i, x):
+        def rest(x, i):
+            return cond(i == 1, lambda x: x[:2] * 2, lambda x: x[:3] - 1, (x,))
+
+        return cond(i == 0, lambda x, i: x[:1] + 5, rest, (x, i))
+
+
+class SizeMergingInside(torch.nn.Module):
+    """The root's branches agree (a sum); only the nested cond merges sizes."""
+
+    def forward(self, i, x):
+        def rest(x, i):
+            return cond(i == 1, lambda x: x[:2] * 2, lambda x: x[:3] - 1, (x,)).sum()
+
+        return cond(i == 0, lambda x, i: x.sum(), rest, (x, i))
+
+
+@pytest.mark.parametrize("model, as_leaf", [(SizeMerging, 0), (SizeMergingInside, 1)])
+def test_cond_whose_branches_return_different_sizes_is_kept_with_reason(model, as_leaf):
+    # Valid export output; both passes rejected it as malformed.
+    args = (torch.tensor(0), torch.arange(6.0))
+    ep = torch.export.export(model(), args)
+    res, cts = rewrite(ep)
+    assert not res.modified and n_conds(res.graph_module) == 2 and not switch_nodes(res.graph_module)
+    merged = [s for s in cts.report.skips if "branches return different sizes" in s.reason]
+    # Each cond that merges sizes is declined as a root; the nested one of
+    # SizeMergingInside also as a leaf of the root's tree.
+    assert len(merged) == 2 and sum(s.reason.startswith("kept as a leaf") for s in merged) == as_leaf
+    assert any("output 0 dim 0 is 2 in true branch but 3 in false branch (merged into u" in s.reason for s in merged)
+    after = cond_to_switch(ep)
+    for k in range(-1, 4):
+        i = torch.tensor(k)
+        torch.testing.assert_close(run(after, i, args[1]), model()(i, args[1]))
+
+
+def test_differing_concrete_sizes_without_a_merged_size_on_the_node_are_still_rejected():
+    ep = torch.export.export(SizeMerging(), (torch.tensor(0), torch.arange(6.0)))
+    gm = copy.deepcopy(ep.graph_module)
+    inner = next(n for n in gm.false_graph_0.graph.nodes if is_cond(n))
+    inner.meta["val"] = (torch.empty(2),)  # the node claims one concrete size: its branches contradict it
+    with pytest.raises(MalformedGraphError, match=r"node 'cond' in graph 'false_graph_0'.*shape \(2,\) in true branch but \(3,\)"):
+        cond_to_switch(gm)
+
+
 # --------------------------------------------------------------------------- scale
 
 
@@ -580,3 +646,84 @@ def test_branches_returning_bare_tensors():
         assert isinstance(out, torch.Tensor)
         torch.testing.assert_close(out, gm(torch.zeros(3), torch.tensor(i)))
         assert out[0].item() == (i if 0 <= i < 3 else 3)
+
+
+def mixed_structure_tree() -> torch.fx.GraphModule:
+    """idx == 0 ? x + 0 : sub(x, idx), the root's branches returning a bare
+    tensor, where sub unwraps a nested cond whose branches return 1-tuples:
+    ``c = cond(idx == 1, L1, L2, (x, idx)); return c[0]``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        xv, iv, bv = torch.empty(3), torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.bool)
+
+    def graph_with_inputs():
+        g = torch.fx.Graph()
+        x, i = g.placeholder("x"), g.placeholder("idx")
+        x.meta["val"], i.meta["val"] = xv, iv
+        return g, x, i
+
+    def leaf(k, as_tuple):
+        g, x, _ = graph_with_inputs()
+        y = g.call_function(aten.add.Scalar, (x, float(k)))
+        y.meta["val"] = xv
+        g.output((y,) if as_tuple else y)
+        return torch.fx.GraphModule({}, g)
+
+    def cond_graph(k, true_gm, false_gm, unwrap):
+        g, x, i = graph_with_inputs()
+        eq = g.call_function(aten.eq.Scalar, (i, k))
+        eq.meta["val"] = bv
+        t, f = g.get_attr("true_graph_0"), g.get_attr("false_graph_0")
+        c = g.call_function(torch.ops.higher_order.cond, (eq, t, f, (x, i)))
+        c.meta["val"] = (xv,) if unwrap else xv
+        if unwrap:
+            c = g.call_function(operator.getitem, (c, 0))
+            c.meta["val"] = xv
+        g.output(c)
+        return torch.fx.GraphModule({"true_graph_0": true_gm, "false_graph_0": false_gm}, g)
+
+    sub = cond_graph(1, leaf(1, True), leaf(2, True), unwrap=True)
+    return cond_graph(0, leaf(0, False), sub, unwrap=False)
+
+
+def test_branch_unwrapping_a_nested_conds_tuple_is_inlined_into_bare_leaves():
+    # The unwrapping branch was absorbed as if it passed the tuple through:
+    # the switch got a bare leaf and two 1-tuple leaves and was rejected as malformed.
+    gm = mixed_structure_tree()
+    after = cond_to_switch(gm)
+    (sw,) = switch_nodes(after)
+    assert n_conds(after) == 0 and len(sw.args[1]) == 3
+    assert not any(returns_sequence(getattr(after, b.target)) for b in sw.args[1]), "every branch returns a bare tensor"
+    for i in range(-2, 5):
+        out = after(torch.zeros(3), torch.tensor(i))
+        assert isinstance(out, torch.Tensor)
+        torch.testing.assert_close(out, gm(torch.zeros(3), torch.tensor(i)))
+        assert out[0].item() == (i if 0 <= i < 3 else 2)
+
+
+def test_one_subgraph_on_both_sides_of_a_cond_is_rewritten_and_its_get_attr_erased_once():
+    # Both sides read one get_attr node; the rewrite erased it twice (a torch warning, a broken graph).
+    import warnings
+
+    def f(i, j, x):
+        inner = lambda x, j: cond(j, lambda x: x + 1, lambda x: x - 1, (x,))  # noqa: E731
+        return cond(i, inner, inner, (x, j))
+
+    gm = make_fx(f)(torch.tensor(True), torch.tensor(True), X)
+    root = next(n for n in gm.graph.nodes if is_cond(n))
+    t_attr, f_attr = root.args[1], root.args[2]
+    root.args = (root.args[0], t_attr, t_attr, root.args[3])
+    gm.graph.erase_node(f_attr)
+    delattr(gm, f_attr.target)
+    gm.recompile()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*already erased.*")
+        after = cond_to_switch(gm)
+    assert n_conds(after) == 0 and len(switch_nodes(after)) == 1
+    assert not any(n.op == "get_attr" and not n.users for n in after.graph.nodes)
+    for i, j in itertools.product((True, False), repeat=2):
+        args = (torch.tensor(i), torch.tensor(j), X)
+        out = after(*args)
+        torch.testing.assert_close(out, gm(*args))
+        torch.testing.assert_close(out, X + 1 if j else X - 1)  # both sides are the same subgraph

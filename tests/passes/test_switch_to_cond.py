@@ -242,3 +242,19 @@ def test_the_round_trip_size_is_what_docs_passes_says(name, size):
         assert after[0] <= before[0] * 1.02 and after[1] <= before[1] * 1.05, (before, after)
     if (name, size) == ("cond-tree", 3):
         assert (before, after) == ((142, 193), (144, 201))
+
+
+def test_program_without_switch_whose_cond_merges_sizes_is_unchanged():
+    # torch.export merges x[:2] / x[:3] into an unbacked size; this valid
+    # program was rejected as malformed although there was nothing to lower.
+    class Lone(torch.nn.Module):
+        def forward(self, i, x):
+            return torch.cond(i == 0, lambda x: x[:2] * 2, lambda x: x[:3] - 1, (x,))
+
+    ep = torch.export.export(Lone(), (torch.tensor(0), torch.arange(6.0)))
+    p = SwitchToCond()
+    assert not p(copy.deepcopy(ep.graph_module)).modified
+    lowered = switch_to_cond(ep)
+    assert n_conds(lowered.graph_module) == 1
+    for k, want in ((0, [0.0, 2.0]), (1, [-1.0, 0.0, 1.0])):
+        assert lowered.module()(torch.tensor(k), torch.arange(6.0)).tolist() == want

@@ -320,6 +320,55 @@ class _Program:
         return run_recording(self.gm, *args)
 
 
+def _module_state(obj: Any) -> list[torch.Tensor]:
+    """The tensors a call of ``obj`` may update in place: the buffers and
+    tensor constants (plain tensor attributes) of every submodule. Parameters
+    are left out: export does not allow a forward to mutate one, and a
+    training step updates them outside the call."""
+    if not isinstance(obj, torch.nn.Module):
+        return []
+    out = list(obj.buffers())
+    for mod in obj.modules():
+        out += [v for v in vars(mod).values() if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]
+    return out
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+class _Snapshot:
+    """Copies of ``tensors`` as found, to put back after every run, so that
+    each run of either program starts from the same state (two programs that
+    share a buffer would otherwise each advance it, and a program that
+    updates an input would feed the next run a changed one). Only tensors
+    whose version counter moved are copied back."""
+
+    def __init__(self, tensors: Iterable[Any]) -> None:
+        unique = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+        self._saved = [[t, t.detach().clone(), _version(t)] for t in unique.values()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for entry in self._saved:
+                t, saved, version = entry
+                now = _version(t)
+                if now is not None and now == version:
+                    continue
+                if t.shape != saved.shape:
+                    t.resize_(saved.shape)
+                t.copy_(saved)
+                entry[2] = _version(t)
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor copied: an output may alias state that is restored next."""
+    return pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, value)
+
+
 def _as_program(role: str, obj: Any) -> _Program:
     if isinstance(obj, ExportedProgram):
         gm = obj.module()
@@ -617,17 +666,31 @@ def assert_equivalent(
     skipped: list[str] = []
     runs = 0
 
+    # Both programs run from the state found here (buffers and constants,
+    # which a transformed program may share with its original) and leave it so.
+    state = _Snapshot([*_module_state(before), *_module_state(progs["before"].call),
+                       *_module_state(after), *_module_state(progs["after"].call)])
+
+    def run(role: str, args: tuple) -> tuple[Any, Path | None]:
+        inputs = _Snapshot(pytree.tree_leaves(args))
+        try:
+            out, path = progs[role].run(args)
+            return _detached(out), path
+        finally:
+            state.restore()
+            inputs.restore()
+
     def compare(args: tuple, what: str) -> Path | None:
         """Run both programs on ``args``; return the path the reference took."""
         nonlocal runs
         try:
-            expected, path_b = progs["before"].run(args)
+            expected, path_b = run("before", args)
         except Exception as exc:  # before is undefined here (e.g. an index it cannot take)
             skipped.append(f"{what}: {type(exc).__name__}: {exc}")
             return None
         runs += 1
         try:
-            actual, path_a = progs["after"].run(args)
+            actual, path_a = run("after", args)
         except Exception as exc:
             raise EquivalenceError(
                 f"after raised {type(exc).__name__}: {exc}\n  inputs: {what}\n  before took: {format_path(path_b)}"

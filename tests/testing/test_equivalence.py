@@ -127,6 +127,59 @@ def test_graph_module_and_module_arguments():
     assert flipped.reference == "after" and flipped.covered == flipped.required
 
 
+class Counter(torch.nn.Module):
+    """Counts its calls in a buffer; the output depends on the count and the path."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cnt", torch.zeros(()))
+
+    def forward(self, i, x):
+        self.cnt.add_(1)
+
+        def rest(x, i, c):
+            return torch.cond(i == 1, lambda x, c: x + c, lambda x, c: x - c, (x, c))
+
+        return torch.cond(i == 0, lambda x, i, c: x * c, rest, (x, i, self.cnt))
+
+
+@needs_switch
+def test_programs_sharing_a_buffer_they_update_run_from_the_same_state():
+    # cond_to_switch's result shares the buffer with its input: each run
+    # advanced the one counter, and the two programs were compared at different counts.
+    from branchyard.passes import cond_to_switch
+
+    args = (torch.tensor(0), torch.ones(3))
+    ep = _export(Counter(), *args)
+    after = cond_to_switch(ep)
+    assert after.state_dict["cnt"] is ep.state_dict["cnt"]
+    report = assert_equivalent(ep, after, args)
+    assert report.covered == report.required and report.input_sets > 2
+    assert ep.state_dict["cnt"].item() == 0, "the state is left as it was found"
+
+
+def test_the_same_stateful_module_as_both_programs_is_equivalent_to_itself():
+    m = Counter()
+    m.cnt.fill_(5)
+    assert_equivalent(m, m, (torch.tensor(1), torch.ones(3)), check_coverage=False)
+    assert m.cnt.item() == 5
+
+
+def test_an_input_updated_in_place_is_restored_before_each_run():
+    def bump(x):
+        x.add_(1)
+        return x * 2  # a fresh tensor
+
+    x = torch.ones(2)
+    assert_equivalent(bump, bump, (x,))
+    assert x.tolist() == [1.0, 1.0]
+    # A real difference is still caught, and the state is restored on the way out.
+    m = Counter()
+    with pytest.raises(EquivalenceError, match="programs disagree"):
+        assert_equivalent(m, lambda i, x: x * 0, (torch.tensor(0), torch.ones(3)), check_coverage=False)
+    assert m.cnt.item() == 0
+
+
 # --- a wrong rewrite on one path is caught and the path named -------------------
 
 

@@ -68,6 +68,14 @@ def _where(file: object) -> str:
     return f"file {os.fspath(file)!r}" if isinstance(file, (str, os.PathLike)) else f"file object {file!r}"
 
 
+def _utf8_name(path: PathLike) -> bool:
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:  # bytes of a file name that are not UTF-8, as surrogate escapes
+        return False
+    return True
+
+
 def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     """Write ``program`` to a ``.pt2`` file (or a binary buffer), switches included.
 
@@ -106,8 +114,17 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     logger.debug("saving %s: %d switch(es) encoded as cond trees", where, count)
 
     def write(target: str | io.BytesIO) -> None:
+        if isinstance(target, io.BytesIO):
+            with _TORCH_SAVE_LOCK:
+                torch.export.save(encoded, target, extra_files={MARKER_FILE: marker})
+            return
+        # Into memory first: torch's archive writer aborts the whole process when
+        # the file system fails it (a full disk); Python's own write raises.
+        buffer = io.BytesIO()
         with _TORCH_SAVE_LOCK:
-            torch.export.save(encoded, target, extra_files={MARKER_FILE: marker})
+            torch.export.save(encoded, buffer, extra_files={MARKER_FILE: marker})
+        with open(target, "wb") as fh:
+            fh.write(buffer.getbuffer())
 
     try:
         if isinstance(path, (str, os.PathLike)):
@@ -149,6 +166,10 @@ def load(path: PathLike | io.BytesIO, *, trusted: bool = False) -> ExportedProgr
         if not os.access(path, os.R_OK):
             raise SerializationError("cannot be read (permission denied)", where=where,
                                      hint="check the file's permissions")
+    if isinstance(path, (str, os.PathLike)) and not _utf8_name(path):
+        # torch takes such a name (surrogate escapes) for a file object; Python opens it
+        with open(path, "rb") as fh:
+            path = io.BytesIO(fh.read())
     program, extra = read_program(path, trusted=trusted)
     raw = extra.get(MARKER_FILE) or ""
     try:

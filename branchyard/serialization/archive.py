@@ -464,11 +464,15 @@ def write_atomically(path: PathLike, write: Callable[[str], None]) -> None:
     A symbolic link is written through (the link stays, its target is
     replaced), as a direct write would; anything else that is not a regular
     file (a device, a FIFO, a socket) is refused, since replacing it with a
-    file is not what writing to it means."""
+    file is not what writing to it means, and so is a file the caller may not
+    write, which a direct write would refuse too."""
     target = os.path.realpath(os.fspath(path))
     if (kind := special_file_kind(target)) is not None:
         raise SerializationError(f"is not a regular file ({kind}); refusing to replace it", where=_where(path),
                                  hint="give the path of a file to write")
+    if os.path.exists(target) and not os.access(target, os.W_OK):
+        raise SerializationError("is write-protected; refusing to replace it", where=_where(path),
+                                 hint="make it writable, or write to another file")
     folder = os.path.dirname(target)
     tmpdir = make_owned_tempdir(folder, ".by-")  # short: the target's name goes inside
     tmp = os.path.join(tmpdir, os.path.basename(target))

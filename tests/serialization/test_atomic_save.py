@@ -44,8 +44,11 @@ def _crash_mid_write(monkeypatch, exc=RuntimeError("disk on fire")):
     real = torch.export.save
 
     def half(program, f, **kwargs):
-        with open(f, "wb") as fh:
-            fh.write(b"PK\x03\x04 half an archive")
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "wb") as fh:
+                fh.write(b"PK\x03\x04 half an archive")
+        else:
+            f.write(b"PK\x03\x04 half an archive")
         raise exc
 
     monkeypatch.setattr(torch.export, "save", half)
@@ -98,16 +101,67 @@ def test_successful_save_replaces_and_keeps_permissions(good_file):
 
 
 def test_archive_layout_is_what_torch_writes(tmp_path):
-    """The temporary file has the target's name, so the archive's root folder
-    is the one torch.export.save gives."""
+    """The archive is written in memory first, as torch.export.save writes a
+    buffer: the records of a direct write under torch's root folder for buffers."""
     ours, theirs = tmp_path / "a" / "net.pt2", tmp_path / "b" / "net.pt2"
     ours.parent.mkdir()
     theirs.parent.mkdir()
     ep = _program()
     branchyard.save(ep, ours)
     torch.export.save(ep, theirs)
-    mine = {n for n in zipfile.ZipFile(ours).namelist() if "branchyard" not in n}
-    assert mine == set(zipfile.ZipFile(theirs).namelist())
+    mine = {n.split("/", 1)[1] for n in zipfile.ZipFile(ours).namelist() if "branchyard" not in n}
+    assert mine == {n.split("/", 1)[1] for n in zipfile.ZipFile(theirs).namelist()}
+    assert torch.export.load(ours).module()(torch.zeros(2)).tolist() == [1.0, 1.0]
+
+
+_FULL_DISK = """
+import resource, signal, sys, torch, branchyard
+from branchyard.errors import SerializationError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+ep = torch.export.export(torch.nn.Linear(256, 256), (torch.zeros(2, 256),))
+resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+try:
+    branchyard.save(ep, sys.argv[1])
+except SerializationError as exc:
+    print("caught:", exc)
+print("still running")
+"""
+
+
+def test_a_save_that_the_file_system_fails_raises_and_the_process_goes_on(good_file):
+    """torch's archive writer aborts the process when a write fails (a full disk)."""
+    import subprocess
+    import sys
+
+    before = good_file.read_bytes()
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(good_file)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "caught: file" in done.stdout and "could not write the program" in done.stdout, done.stdout
+    assert "still running" in done.stdout
+    assert good_file.read_bytes() == before
+    assert _leftovers(good_file.parent) == []
+
+
+def test_a_write_protected_file_is_not_replaced(good_file, monkeypatch):
+    from branchyard.serialization import archive
+
+    before = good_file.read_bytes()
+    os.chmod(good_file, 0o444)
+    if os.geteuid() == 0:  # root may write any file: ask as a user would
+        real = os.access
+        monkeypatch.setattr(archive.os, "access", lambda p, mode: False if mode == os.W_OK else real(p, mode))
+    with pytest.raises(SerializationError, match="write-protected"):
+        branchyard.save(_program(2.0), good_file)
+    assert good_file.read_bytes() == before
+
+
+def test_a_file_name_that_is_not_utf8_saves_and_loads(tmp_path):
+    name = os.fsdecode(b"caf\xe9.pt2")
+    path = tmp_path / name
+    branchyard.save(_program(3.0), path)
+    assert os.fsencode(os.listdir(tmp_path)[0]) == b"caf\xe9.pt2"
+    torch.testing.assert_close(branchyard.load(path).module()(torch.zeros(2)), torch.full((2,), 3.0))
 
 
 def test_concurrent_saves_leave_one_complete_file(tmp_path):

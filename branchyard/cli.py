@@ -54,8 +54,10 @@ logger = logging.getLogger("branchyard")
 def load_program(path: str | os.PathLike, *, trusted: bool = False) -> Any:
     """Read a ``.pt2`` (switches included) with :func:`branchyard.serialization.load`;
     ``trusted`` (``--trust``) allows a file whose loading runs code it carries."""
+    from branchyard.registry import load_ops
     from branchyard.serialization import load
 
+    load_ops()  # a program a pass rewrote may call branchyard's own ops
     return load(str(path), trusted=trusted)
 
 
@@ -120,15 +122,29 @@ def format_before_after(before: Any, after: Any) -> str:
     return "\n".join(lines)
 
 
+def _output_path(output: str) -> Path:
+    """``-o``'s path, checked before any work: not a folder name (a trailing
+    separator, which ``Path`` would drop), in a folder that exists."""
+    if not output or output.endswith((os.sep, "/")):
+        raise BranchyardError("the output names a folder, not a file", where=repr(output),
+                              hint="give a file name, e.g. -o out.pt2")
+    out = Path(output)
+    try:
+        folder = out.resolve().parent
+    except (OSError, RuntimeError) as exc:  # a symbolic link loop (RuntimeError before Python 3.13)
+        raise BranchyardError(f"cannot resolve the output path: {exc}", where=output) from exc
+    if not folder.is_dir():
+        raise BranchyardError("output folder does not exist", where=str(folder), hint="create it first")
+    return out
+
+
 def _cmd_rewrite(args: argparse.Namespace) -> int:
     from branchyard.inspection import graph_stats
     from branchyard.fx.pass_infra import Pipeline
     from branchyard.registry import get_pass
 
     names = parse_pass_names(args.passes)
-    out = Path(args.output)
-    if not out.resolve().parent.is_dir():
-        raise BranchyardError("output folder does not exist", where=str(out.resolve().parent), hint="create it first")
+    out = _output_path(args.output)
     if out.is_dir():
         raise BranchyardError("the output is a directory", where=str(out), hint="give a file name, e.g. -o out.pt2")
     passes = [get_pass(n) for n in names]
@@ -140,7 +156,7 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
         for name, p in zip(names, passes):
             progress.around(name, p)
         result = Pipeline(passes)(program)
-        progress.step("save", lambda: save_program(result.program, out))
+        progress.step("save", lambda: save_program(result.program, args.output))
     print(f"{args.input} -> {out} ({', '.join(names)}: {'modified' if result.modified else 'unchanged'})")
     print(format_before_after(graph_stats(program), graph_stats(result.program)))
     print(format_reports(result.reports))
@@ -240,12 +256,8 @@ def _cmd_example(args: argparse.Namespace) -> int:
 
     spec = EXAMPLES[args.name]
     size = spec.default_size if args.size is None else args.size
-    save_program_path = Path(args.output)
-    if not save_program_path.resolve().parent.is_dir():
-        raise BranchyardError(
-            "output folder does not exist", where=str(save_program_path.resolve().parent), hint="create it first"
-        )
-    save_example(args.name, save_program_path, size=size, dim=args.dim)
+    save_program_path = _output_path(args.output)
+    save_example(args.name, args.output, size=size, dim=args.dim)
     print(f"wrote {save_program_path}: {args.name} ({spec.size_name}={size}, dim={args.dim}) -- {spec.summary}")
     return 0
 
@@ -312,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="where to write it (.pt2)")
     p.add_argument("--size", type=_positive_int, default=None,
                    help="; ".join(f"{s.name}: {s.size_name} (default {s.default_size})" for s in EXAMPLES.values()))
-    p.add_argument("--dim", type=_positive_int, default=16, help="feature size of x and of each expert (default 16)")
+    p.add_argument("--dim", type=_bounded_int(MAX_EXAMPLE_DIM), default=16,
+                   help=f"feature size of x and of each expert (default 16, at most {MAX_EXAMPLE_DIM})")
     p.set_defaults(run=_cmd_example)
 
     p = sub.add_parser("passes", help="list the passes --passes accepts")
@@ -328,6 +341,21 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value} (a size of {value} makes an empty program)")
     return value
+
+
+#: ``example --dim``'s bound: an expert-dispatch program holds size x dim x dim
+#: weights per layer, and a larger dim only makes a file of many gigabytes.
+MAX_EXAMPLE_DIM = 4096
+
+
+def _bounded_int(most: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _positive_int(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
+        return value
+
+    return parse
 
 
 def _version() -> str:

@@ -20,7 +20,7 @@ import importlib
 from branchyard.errors import BranchyardError
 from branchyard.fx.pass_infra import BranchyardPass
 
-__all__ = ["PASSES", "pass_names", "pass_class", "get_pass"]
+__all__ = ["PASSES", "OPS", "load_ops", "pass_names", "pass_class", "get_pass"]
 
 #: Pass name -> ``"module:Class"``.
 PASSES: dict[str, str] = {
@@ -28,6 +28,19 @@ PASSES: dict[str, str] = {
     "switch_to_cond": "branchyard.passes.switch_to_cond:SwitchToCond",
     "nvgemm": "branchyard.lowering.nvgemm.fuse:NvGemmPass",
 }
+
+
+#: Operator namespace::name -> the module that defines it, for reading programs
+#: that call it (a program ``nvgemm`` rewrote calls the fused op).
+OPS: dict[str, str] = {
+    "branchyard::fused_gemm_epilogue": "branchyard.lowering.nvgemm.op",  # and its .out overload
+}
+
+
+def load_ops() -> None:
+    """Import the modules of :data:`OPS`, so that a program calling them can be loaded."""
+    for module in sorted(set(OPS.values())):
+        importlib.import_module(module)
 
 
 def pass_names() -> list[str]:

@@ -117,13 +117,22 @@ def test_rewrite_round_trip_through_two_passes(dispatch_pt2, tmp_path, capsys):
         (["rewrite", "{good}", "-o", "{nodir}", "--passes", "cond_to_switch"], "output folder does not exist"),
         (["example", "expert-dispatch", "-o", "{out}", "--size", "1"], "needs experts >= 2, got 1"),
         (["example", "expert-dispatch", "-o", "{out}", "--size", "600"],
-         "is built up to experts = 256 (256 experts), got 600"),
+         "is built up to experts = 32 (32 experts), got 600"),
+        (["example", "expert-dispatch", "-o", "{out}", "--size", "41"],
+         "is built up to experts = 32 (32 experts), got 41"),
+        (["example", "cond-tree", "-o", "{out}/"], "the output names a folder, not a file"),
+        (["rewrite", "{good}", "-o", "{out}/", "--passes", "cond_to_switch"], "the output names a folder, not a file"),
+        (["example", "cond-tree", "-o", "{loop}"], "cannot resolve the output path"),
+        (["rewrite", "{good}", "-o", "{loop}", "--passes", "cond_to_switch"], "cannot resolve the output path"),
         (["example", "cond-tree", "-o", "{out}", "--size", "40"], "is built up to depth = 8 (256 experts), got 40"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_1(argv, message, dispatch_pt2, tmp_path, capsys):
     (tmp_path / "notes.pt2").write_text("not a zip")
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
     paths = {
+        "loop": str(tmp_path / "loop_a"),
         "missing": str(tmp_path / "missing.pt2"),
         "out": str(tmp_path / "out.pt2"),
         "text": str(tmp_path / "notes.pt2"),
@@ -296,3 +305,45 @@ def test_inspect_logs_its_steps_with_v(dispatch_pt2, capsys):
     err = capsys.readouterr().err
     assert re.search(r"^branchyard: load: done in \d+\.\d s$", err, re.M), err
     assert re.search(r"^branchyard: inspect: done in \d+\.\d s$", err, re.M), err
+
+
+def test_the_largest_example_writes_and_flattens(tmp_path, capsys):
+    out, flat = tmp_path / "e.pt2", tmp_path / "s.pt2"
+    assert main(["example", "expert-dispatch", "-o", str(out), "--size", "32", "--dim", "4"]) == 0
+    assert main(["rewrite", str(out), "-o", str(flat), "--passes", "cond_to_switch"]) == 0
+    assert graph_stats(bs.load(flat)).control_flow == {"cond": 0, "switch": 1, "while_loop": 0}
+
+
+def test_example_refuses_a_dim_that_would_make_gigabytes(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["example", "expert-dispatch", "-o", str(tmp_path / "x.pt2"), "--dim", "100000000"])
+    assert exc.value.code == 2
+    assert "argument --dim: must be at most 4096, got 100000000" in capsys.readouterr().err
+
+
+def test_a_trailing_separator_never_replaces_the_file_it_would_name(dispatch_pt2, tmp_path, capsys):
+    keep = tmp_path / "keep.pt2"
+    keep.write_bytes(dispatch_pt2.read_bytes())
+    assert main(["example", "cond-tree", "-o", str(keep) + "/"]) == 1
+    assert keep.read_bytes() == dispatch_pt2.read_bytes()
+
+
+def test_what_rewrite_nvgemm_writes_the_cli_reads_back(tmp_path):
+    """A fresh process that never ran nvgemm reads a program that calls the fused op."""
+    torch.export.save(torch.export.export(_Mlp(), (torch.randn(4, 8),)), tmp_path / "mlp.pt2")
+    done = _run("rewrite", "mlp.pt2", "-o", "fused.pt2", "--passes", "nvgemm", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "(nvgemm: modified)" in done.stdout
+    done = _run("inspect", "fused.pt2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = _run("rewrite", "fused.pt2", "-o", "again.pt2", "--passes", "cond_to_switch", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))

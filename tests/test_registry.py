@@ -81,3 +81,19 @@ def test_no_floor_imports_a_floor_above_it(floor):
         if name.startswith(_ABOVE[floor])
     }
     assert not bad, sorted(bad)
+
+
+def test_every_branchyard_op_is_listed_with_its_module():
+    """A program calling an op not in OPS could not be read by the CLI."""
+    import importlib
+
+    import torch
+
+    from branchyard.registry import OPS, load_ops
+
+    load_ops()
+    for module in set(OPS.values()):
+        importlib.import_module(module)
+    defined = {f"branchyard::{name}" for name in dir(torch.ops.branchyard) if not name.startswith("_")
+               and isinstance(getattr(torch.ops.branchyard, name), torch._ops.OpOverloadPacket)}
+    assert defined and defined <= set(OPS), sorted(defined - set(OPS))

@@ -612,10 +612,7 @@ def bare_output_chain(n: int) -> torch.fx.GraphModule:
         xv, iv, bv = torch.empty(3), torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.bool)
 
     def graph_with_inputs():
-        g = torch.fx.Graph()
-        x, i = g.placeholder("x"), g.placeholder("idx")
-        x.meta["val"], i.meta["val"] = xv, iv
-        return g, x, i
+        return _graph_with_inputs(xv, iv)
 
     def leaf(k):
         g, x, _ = graph_with_inputs()
@@ -635,6 +632,14 @@ def bare_output_chain(n: int) -> torch.fx.GraphModule:
         g.output(c)
         sub = torch.fx.GraphModule({"true_graph_0": leaf(k), "false_graph_0": sub}, g)
     return sub
+
+
+def _graph_with_inputs(xv, iv):
+    """A graph with placeholders x and idx carrying fake values ``xv``, ``iv``."""
+    g = torch.fx.Graph()
+    x, i = g.placeholder("x"), g.placeholder("idx")
+    x.meta["val"], i.meta["val"] = xv, iv
+    return g, x, i
 
 
 def test_branches_returning_bare_tensors():
@@ -658,10 +663,7 @@ def mixed_structure_tree() -> torch.fx.GraphModule:
         xv, iv, bv = torch.empty(3), torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.bool)
 
     def graph_with_inputs():
-        g = torch.fx.Graph()
-        x, i = g.placeholder("x"), g.placeholder("idx")
-        x.meta["val"], i.meta["val"] = xv, iv
-        return g, x, i
+        return _graph_with_inputs(xv, iv)
 
     def leaf(k, as_tuple):
         g, x, _ = graph_with_inputs()

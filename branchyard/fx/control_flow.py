@@ -292,16 +292,17 @@ def _size_text(x: Any) -> str:
 def merged_output_sizes(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> str | None:
     """Where the branches of the cond/switch ``node`` return different sizes
     (which torch merges into an unbacked size of ``node``'s output), as
-    text for a skip reason; None when every branch returns the same sizes.
-    Sizes are compared as written (``s0`` and ``s0`` agree, ``2`` and ``u0``
-    do not), so a pass keeping such a node intact errs on the safe side."""
+    text for a skip reason; None when no two branches return different
+    concrete sizes. Symbolic sizes are not compared: each branch of a
+    dynamic-shape program names its batch afresh (``u0``, ``u4``), the same
+    size at run time, and such conds are rewritten as before."""
     ref = [node_value(v) for v in graph_outputs(branches[0])]
     for gm, label in zip(branches[1:], labels[1:]):
         for i, (a, b) in enumerate(zip(ref, (node_value(v) for v in graph_outputs(gm)))):
             if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
                 continue
             for d, (x, y) in enumerate(zip(a.shape, b.shape)):
-                if _size_text(x) != _size_text(y):
+                if isinstance(x, int) and isinstance(y, int) and x != y:
                     out = _node_output(node, i)
                     merged = f" (merged into {out.shape[d]})" if _merged_size(node, i, d) else ""
                     return (f"output {i} dim {d} is {_size_text(x)} in {labels[0]} "

@@ -537,7 +537,7 @@ class SizeMergingInside(torch.nn.Module):
         return cond(i == 0, lambda x, i: x.sum(), rest, (x, i))
 
 
-@pytest.mark.parametrize("model, as_leaf", [(SizeMerging, 0), (SizeMergingInside, 1)])
+@pytest.mark.parametrize("model, as_leaf", [(SizeMerging, 1), (SizeMergingInside, 1)])
 def test_cond_whose_branches_return_different_sizes_is_kept_with_reason(model, as_leaf):
     # Valid export output; both passes rejected it as malformed.
     args = (torch.tensor(0), torch.arange(6.0))
@@ -545,8 +545,9 @@ def test_cond_whose_branches_return_different_sizes_is_kept_with_reason(model, a
     res, cts = rewrite(ep)
     assert not res.modified and n_conds(res.graph_module) == 2 and not switch_nodes(res.graph_module)
     merged = [s for s in cts.report.skips if "branches return different sizes" in s.reason]
-    # Each cond that merges sizes is declined as a root; the nested one of
-    # SizeMergingInside also as a leaf of the root's tree.
+    # The nested cond, whose branches return 2 and 3, is declined as a root
+    # and as a leaf of the root's tree; the root (1 against the nested one's
+    # merged u0, a symbol like a dynamic batch's) is then a lone cond.
     assert len(merged) == 2 and sum(s.reason.startswith("kept as a leaf") for s in merged) == as_leaf
     assert any("output 0 dim 0 is 2 in true branch but 3 in false branch (merged into u" in s.reason for s in merged)
     after = cond_to_switch(ep)
@@ -729,3 +730,27 @@ def test_one_subgraph_on_both_sides_of_a_cond_is_rewritten_and_its_get_attr_eras
         out = after(*args)
         torch.testing.assert_close(out, gm(*args))
         torch.testing.assert_close(out, X + 1 if j else X - 1)  # both sides are the same subgraph
+
+
+def test_branches_naming_a_dynamic_batch_afresh_are_still_flattened():
+    """Each branch of an exported dynamic-batch program has its own unbacked
+    batch symbol (u0, u4); that is no size merge, and the tree becomes a switch."""
+    from branchyard.shapes import ShapeVar, dynamic_spec
+    import branchyard.shapes as shapes
+    from branchyard.examples import ExpertDispatch
+
+    model = ExpertDispatch(num_experts=4, dim=8)
+    batch = ShapeVar("batch", min=1, max=64)
+
+    @dynamic_spec({"x": (batch, 8), "idx": ()})
+    def forward(x, idx):
+        return model(x, idx)
+
+    ep = shapes.export(forward, (torch.randn(4, 8), torch.tensor(2)))
+    res, cts = rewrite(ep)
+    assert res.modified and n_conds(res.graph_module) == 0 and len(switch_nodes(res.graph_module)) == 1
+    assert not [s for s in cts.report.skips if "different sizes" in s.reason]
+    after = cond_to_switch(ep)
+    for k in range(4):
+        x = torch.randn(7, 8)
+        torch.testing.assert_close(run(after, x, torch.tensor(k)), model(x, torch.tensor(k)))

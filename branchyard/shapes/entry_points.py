@@ -406,15 +406,19 @@ def checked_module(ep: torch.export.ExportedProgram) -> torch.nn.Module:
 
     user = [s.arg for s in ep.graph_signature.input_specs if s.kind is InputKind.USER_INPUT]
 
+    # the leaves the program holds as constants: only they are compared per call
+    constants = [(k, arg) for k, arg in enumerate(user) if isinstance(arg, ConstantArgument)]
+
     def check_inputs(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         binding = bind(spec, _mod, args, kwargs, sig=sig)
         call = _exported_call_form(binding.arguments, in_spec)
-        flat, got_spec = pytree.tree_flatten_with_path(call)
+        leaves, got_spec = pytree.tree_flatten(call)
         if got_spec != in_spec:  # e.g. a list argument of another length: torch would raise a raw ValueError
             _raise_structure_mismatch(sig, call, in_spec)
-        if len(flat) == len(user):
-            for (path, got), arg in zip(flat, user):
-                if isinstance(arg, ConstantArgument) and not _same_constant(arg.value, got):
+        if len(leaves) == len(user):
+            for k, arg in constants:
+                if not _same_constant(arg.value, leaves[k]):
+                    path, got = pytree.tree_flatten_with_path(call)[0][k]
                     name = _call_path(sig, path)
                     raise SpecViolationError(
                         f"{name} is {_show(got)}, but the program was exported with the static "

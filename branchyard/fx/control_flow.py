@@ -285,37 +285,30 @@ def _merged_size(node: Node, i: int, d: int) -> bool:
     return isinstance(out, torch.Tensor) and d < out.dim() and isinstance(out.shape[d], torch.SymInt)
 
 
-def _size_text(x: Any) -> str:
-    return str(x) if isinstance(x, (int, torch.SymInt)) else repr(x)
+def _differing_sizes(a: torch.Tensor, b: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """``(dim, size in a, size in b)`` where two outputs of equal rank have
+    different concrete sizes. Symbolic sizes are not compared: each branch of
+    a dynamic-shape program names its batch afresh (``u0``, ``u4``), the same
+    size at run time."""
+    for d, (x, y) in enumerate(zip(a.shape, b.shape)):
+        if isinstance(x, int) and isinstance(y, int) and x != y:
+            yield d, x, y
 
 
 def merged_output_sizes(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> str | None:
-    """Where the branches of the cond/switch ``node`` return different sizes
-    (which torch merges into an unbacked size of ``node``'s output), as
-    text for a skip reason; None when no two branches return different
-    concrete sizes. Symbolic sizes are not compared: each branch of a
-    dynamic-shape program names its batch afresh (``u0``, ``u4``), the same
-    size at run time, and such conds are rewritten as before."""
+    """Where the branches of the cond/switch ``node`` return different concrete
+    sizes (which torch merges into an unbacked size of ``node``'s output), as
+    text for a skip reason; None when they return none (see
+    :func:`_differing_sizes`)."""
     ref = [node_value(v) for v in graph_outputs(branches[0])]
     for gm, label in zip(branches[1:], labels[1:]):
         for i, (a, b) in enumerate(zip(ref, (node_value(v) for v in graph_outputs(gm)))):
             if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
                 continue
-            for d, (x, y) in enumerate(zip(a.shape, b.shape)):
-                if isinstance(x, int) and isinstance(y, int) and x != y:
-                    out = _node_output(node, i)
-                    merged = f" (merged into {out.shape[d]})" if _merged_size(node, i, d) else ""
-                    return (f"output {i} dim {d} is {_size_text(x)} in {labels[0]} "
-                            f"but {_size_text(y)} in {label}{merged}")
+            for d, x, y in _differing_sizes(a, b):
+                merged = f" (merged into {_node_output(node, i).shape[d]})" if _merged_size(node, i, d) else ""
+                return f"output {i} dim {d} is {x} in {labels[0]} but {y} in {label}{merged}"
     return None
-
-
-def _same_size(node: Node, i: int, d: int, a: Any, b: Any) -> bool:
-    # Symbolic sizes may legitimately differ between branches; two concrete,
-    # different ints only where the node's own output merged them into a
-    # symbol (torch.export does that for a cond whose branches return
-    # different sizes).
-    return not (isinstance(a, int) and isinstance(b, int) and a != b) or _merged_size(node, i, d)
 
 
 def _check_branch_outputs(node: Node, branches: Sequence[GraphModule], labels: Sequence[str]) -> None:
@@ -346,8 +339,8 @@ def _check_branch_outputs(node: Node, branches: Sequence[GraphModule], labels: S
                     where=describe_node(node),
                     hint="branches must agree in dtype; cast inside the branch",
                 )
-            sizes = enumerate(zip(a.shape, b.shape))
-            if a.dim() != b.dim() or not all(_same_size(node, i, d, x, y) for d, (x, y) in sizes):
+            # different concrete sizes only where the node's own output merged them into a symbol
+            if a.dim() != b.dim() or not all(_merged_size(node, i, d) for d, _, _ in _differing_sizes(a, b)):
                 raise MalformedGraphError(
                     f"output {i} has shape {tuple(a.shape)} in {labels[0]} but {tuple(b.shape)} in {label}",
                     where=describe_node(node),

@@ -7,7 +7,7 @@ when
 
 * it contains exactly one cond node (two sequential conds would multiply the
   leaves; such a branch stays a leaf and its conds become roots of their own),
-* its branches return the same sizes (torch.export merges different ones
+* its branches return the same concrete sizes (torch.export merges different ones
   into an unbacked size that the program is written against; such a cond,
   root or nested, is kept as it is),
 * that cond's predicate is a tensor, and

@@ -114,17 +114,14 @@ def save(program: ExportedProgram, path: PathLike | io.BytesIO) -> None:
     logger.debug("saving %s: %d switch(es) encoded as cond trees", where, count)
 
     def write(target: str | io.BytesIO) -> None:
-        if isinstance(target, io.BytesIO):
-            with _TORCH_SAVE_LOCK:
-                torch.export.save(encoded, target, extra_files={MARKER_FILE: marker})
-            return
-        # Into memory first: torch's archive writer aborts the whole process when
-        # the file system fails it (a full disk); Python's own write raises.
-        buffer = io.BytesIO()
+        # A file is built in memory first: torch's archive writer aborts the whole
+        # process when the file system fails it (a full disk); Python's own write raises.
+        buffer = target if isinstance(target, io.BytesIO) else io.BytesIO()
         with _TORCH_SAVE_LOCK:
             torch.export.save(encoded, buffer, extra_files={MARKER_FILE: marker})
-        with open(target, "wb") as fh:
-            fh.write(buffer.getbuffer())
+        if buffer is not target:
+            with open(target, "wb") as fh:
+                fh.write(buffer.getbuffer())
 
     try:
         if isinstance(path, (str, os.PathLike)):

@@ -419,14 +419,8 @@ def checked_module(ep: torch.export.ExportedProgram) -> torch.nn.Module:
             for k, arg in constants:
                 if not _same_constant(arg.value, leaves[k]):
                     path, got = pytree.tree_flatten_with_path(call)[0][k]
-                    name = _call_path(sig, path)
-                    raise SpecViolationError(
-                        f"{name} is {_show(got)}, but the program was exported with the static "
-                        f"value {_show(arg.value)}, which it holds as a constant",
-                        where=f"argument {name!r}",
-                        hint="declare it in the spec as an int size (a ShapeVar) to make it dynamic, or export again"
-                        if type(arg.value) is int else "export again with this value",
-                    )
+                    raise _changed_constant(_call_path(sig, path), arg.value, got,
+                                            made=("program", "exported", "export"))
         return call
 
     module.register_forward_pre_hook(check_inputs, with_kwargs=True, prepend=True)
@@ -827,13 +821,20 @@ def _check_static_leaf(path: str, want: Any, got: Any) -> None:
                 )
         return
     if not _same_constant(want, got):
-        dynamic = "declare it in the spec as an int size (a ShapeVar) to make it dynamic, or trace again"
-        raise SpecViolationError(
-            f"{path} is {_show(got)}, but the graph was traced with the static value "
-            f"{_show(want)}, which it holds as a constant",
-            where=where,
-            hint=dynamic if type(want) is int else "trace again with this value",
-        )
+        raise _changed_constant(path, want, got, made=("graph", "traced", "trace"))
+
+
+def _changed_constant(name: str, want: Any, got: Any, *, made: tuple[str, str, str]) -> SpecViolationError:
+    """The error for argument ``name`` given ``got`` where the graph or program
+    holds the constant ``want``; ``made``: what holds it, how it was made, the verb."""
+    what, made_how, verb = made
+    dynamic = f"declare it in the spec as an int size (a ShapeVar) to make it dynamic, or {verb} again"
+    return SpecViolationError(
+        f"{name} is {_show(got)}, but the {what} was {made_how} with the static value "
+        f"{_show(want)}, which it holds as a constant",
+        where=f"argument {name!r}",
+        hint=dynamic if type(want) is int else f"{verb} again with this value",
+    )
 
 
 # -- compile --------------------------------------------------------------------------

@@ -71,7 +71,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from branchyard._compat import HAS_SWITCH
 from branchyard.errors import InternalError, MalformedGraphError
-from branchyard.fx.graph_walk import graph_path, note_subgraph, resolve_attr
+from branchyard.fx.graph_walk import graph_label, graph_path, note_subgraph, resolve_attr
 from branchyard.fx.mutation import has_effects
 from branchyard.fx.raise_free import may_raise
 
@@ -196,10 +196,6 @@ def _value_key(node: Node) -> str:
     return "example_value" if "example_value" in node.meta and "val" not in node.meta else "val"
 
 
-def _graph_label(gm: GraphModule) -> str:
-    return graph_path(gm) or getattr(gm, "_branchyard_label", type(gm).__name__)
-
-
 def output_node(gm: GraphModule) -> Node:
     """The output node of ``gm``; a graph without one (a branch must return
     something) raises MalformedGraphError naming the graph."""
@@ -207,7 +203,7 @@ def output_node(gm: GraphModule) -> Node:
         if n.op == "output":
             return n
     raise MalformedGraphError(
-        "graph has no output node", where=f"graph module {_graph_label(gm)!r}",
+        "graph has no output node", where=f"graph module {graph_label(gm)!r}",
         hint="end the graph with graph.output(...) returning the branch's values",
     )
 
@@ -720,7 +716,7 @@ def inline_graph(
     if n_inputs != len(args):
         raise MalformedGraphError(
             f"graph takes {n_inputs} inputs but is inlined with {len(args)} values",
-            where=f"graph module {_graph_label(src)!r}",
+            where=f"graph module {graph_label(src)!r}",
         )
     it = iter(args)
     for n in src.graph.nodes:
@@ -742,7 +738,7 @@ def inline_graph(
             env[n].meta = dict(n.meta)
         else:
             env[n] = dst.node_copy(n, env.__getitem__)
-    raise InternalError("inline_graph walked past the output node", where=f"graph module {_graph_label(src)!r}")
+    raise InternalError("inline_graph walked past the output node", where=f"graph module {graph_label(src)!r}")
 
 
 def erase_dead_inputs(graph: Graph, nodes: Sequence[Any]) -> None:

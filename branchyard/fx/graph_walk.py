@@ -38,6 +38,7 @@ __all__ = [
     "iter_graph_modules",
     "rewrite_graphs",
     "graph_path",
+    "graph_label",
     "inherit_graph_path",
     "name_graphs",
     "note_subgraph",
@@ -184,6 +185,12 @@ def resolve_attr(gm: torch.nn.Module, target: str) -> Any:
     return obj
 
 
+def graph_label(gm: GraphModule) -> str:
+    """``gm`` as errors name it: its :func:`graph_path`, else the label a pass
+    gave it, else its class name (a root)."""
+    return graph_path(gm) or getattr(gm, "_branchyard_label", type(gm).__name__)
+
+
 def lint_graph_module(gm: GraphModule) -> None:
     """Lint ``gm`` and every subgraph; raise :class:`MalformedGraphError`
     naming the graph that fails. Names the subgraphs afresh from ``gm``
@@ -192,9 +199,8 @@ def lint_graph_module(gm: GraphModule) -> None:
         try:
             sub.graph.lint()
         except Exception as exc:  # torch raises RuntimeError / AssertionError here
-            label = graph_path(sub) or getattr(sub, "_branchyard_label", type(sub).__name__)
             raise MalformedGraphError(
-                f"graph fails torch.fx lint: {exc}", where=f"graph module {label!r}"
+                f"graph fails torch.fx lint: {exc}", where=f"graph module {graph_label(sub)!r}"
             ) from exc
 
 

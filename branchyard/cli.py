@@ -412,10 +412,20 @@ def _closed_pipe() -> int:
     return 128 + 13  # 128 + SIGPIPE: what a shell reports for a process ended by it
 
 
+def _exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` would give the shell."""
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints usage and exits 2
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (2), --help and --version (0): argparse has printed its text
+        return _exit_status(exc.code)
     try:
         with _logging(args.verbose):
             status = int(args.run(args))

@@ -290,3 +290,27 @@ def test_processes_that_find_a_stray_file_at_once_all_keep_the_disk(tmp_path, st
     for w in range(WORKERS):
         for i in range(4):
             assert cache.check({"spec": f"w{w}k{i}", "config": "t128x128"}) is None, (w, i)
+
+
+@pytest.mark.parametrize("link", ["to-a-file", "dangling", "to-a-folder"])
+def test_a_link_at_the_lock_path_is_replaced_and_its_target_left_alone(tmp_path, link, caplog):
+    """A symlink where the winner database's lock file goes used to keep the
+    disk off for every process (filelock refuses links); it is now unlinked,
+    and what it pointed at is never opened, truncated or removed."""
+    where = tmp_path / "nvgemm"
+    where.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    folder = tmp_path / "folder"
+    (folder / "inside").mkdir(parents=True)
+    target = {"to-a-file": precious, "dangling": tmp_path / "nowhere", "to-a-folder": folder}[link]
+    (where / WinnerDB.LOCK).symlink_to(target)
+    db = WinnerDB(where)
+    with caplog.at_level(logging.WARNING, logger="branchyard"):
+        db.put("k", {"winner": "ours"})
+    assert db.disk_error is None
+    assert not caplog.records
+    assert not (where / WinnerDB.LOCK).is_symlink()
+    assert WinnerDB(where).get("k")["winner"] == "ours", "the entry is on disk for the next process"
+    assert precious.read_text() == "keep me"
+    assert (folder / "inside").is_dir()

@@ -106,7 +106,9 @@ def file_lock(path: Path, timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     when another process holds it for longer than ``timeout`` seconds.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir() and not path.is_symlink():
+    if path.is_symlink() or path.is_dir():
+        # filelock refuses a link (ELOOP) and cannot lock a folder: left there, either
+        # would keep every process off the disk for good. Unlinking never touches its target.
         remove_path(path)
     with filelock.FileLock(str(path), timeout=timeout):
         yield

@@ -128,11 +128,14 @@ def explain(
     dde: BaseException,
     var_of_symbol: Mapping[sympy.Symbol, str],
     vars: Mapping[str, ShapeVar],
+    derived: Mapping[sympy.Symbol, sympy.Expr] | None = None,
 ) -> DataDependentShapeError:
-    """A DataDependentShapeError for ``dde`` (found in ``err``) in ShapeVar terms."""
+    """A DataDependentShapeError for ``dde`` (found in ``err``) in ShapeVar terms.
+    ``derived``: symbols that stand for an expression of the vars' symbols."""
     cond = getattr(dde, "cond", None)
     names = {}
     if isinstance(cond, sympy.Basic):
+        cond = cond.xreplace(dict(derived or {}))
         for sym in cond.free_symbols:
             name = var_of_symbol.get(sym)
             if name is not None:

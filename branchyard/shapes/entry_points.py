@@ -13,13 +13,13 @@ by :func:`~branchyard.shapes.dynamic_spec`; both at once is an error), and:
 How step 2 is done per entry point:
 
 =============  ==============================================================
-``export``     our own fake inputs (one unbacked symbol per ShapeVar,
+``export``     our own fake inputs (one unbacked symbol per ShapeVar, and one
+               per derived dim tied to them by an ``Eq`` check,
                :mod:`branchyard.shapes.symbolic`) handed to
                ``torch.export.export``; plain functions are wrapped in a module
                that owns the ``nn.Module`` s they close over. ``strict=True``
-               works too: Dynamo copies the fakes' symbols into its own
-               ShapeEnv in argument order, so a derived dim must come after
-               its vars' bare slots (checked).
+               works too: the ties are stated again inside the trace, since
+               Dynamo copies the fakes' symbols into a ShapeEnv of its own.
 ``make_fx``    the same fake inputs handed to torch's ``make_fx``; kwargs are
                bound to positions first; deferred runtime asserts are
                inserted into the graph.
@@ -52,17 +52,11 @@ from torch.utils import _pytree as pytree
 from branchyard.errors import ShapeSpecError, SpecViolationError
 from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
-from branchyard.shapes.graph_checks import (
-    drop_implied_range_checks,
-    insert_dim_checks,
-    insert_runtime_asserts,
-    shared_bindings_unavailable,
-    shared_symbol_bindings,
-)
+from branchyard.shapes.graph_checks import drop_implied_range_checks, insert_dim_checks, insert_runtime_asserts
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, compiles_through_wrapper, to_torch_spec
-from branchyard.shapes.shape_var import DimExpr
+from branchyard.shapes.shape_var import DimExpr, evaluate_terms
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec, TensorEntry
-from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
+from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, needs_own_symbol, tracing_with
 from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, is_tracing, signature_of
 
 __all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "ShapesFallbackWarning", "resolve_spec"]
@@ -134,7 +128,7 @@ def _raise_explained(
     ``int_symbols``: the symbols torch made for int arguments (export), by var."""
     dde = find_data_dependent_error(err)
     if dde is not None:
-        raise explain(err, dde, {**inputs.var_of_symbol(), **(int_symbols or {})}, spec.vars) from err
+        raise explain(err, dde, {**inputs.var_of_symbol(), **(int_symbols or {})}, spec.vars, inputs.derived) from err
 
 
 # -- export ---------------------------------------------------------------------------
@@ -185,11 +179,12 @@ def export(
     ``fn`` may be a plain function (wrapped in a module that owns the modules
     it refers to) or an ``nn.Module``. ``args``/``kwargs`` are example inputs;
     they must satisfy the spec. Extra keyword arguments go to
-    ``torch.export.export``; ``strict=True`` is accepted when every derived
-    dim comes after a bare slot of each of its vars, in argument order
-    (otherwise a :class:`~branchyard.errors.ShapeSpecError` says which dim).
+    ``torch.export.export`` (``strict=True`` too).
     Returns the ``ExportedProgram``; its ``range_constraints`` hold one entry
-    per ShapeVar (plus one per int argument that is a derived size).
+    per ShapeVar, plus one per derived dim, tensor dim or int argument
+    (``2 * batch``, ``seq - 1``): each has a symbol of its own, tied to the
+    vars by an ``Eq`` assert, so that every input owns the symbols of its
+    sizes and torch can trace the program again (``run_decompositions``).
     """
     spec = resolve_spec(fn, spec)
     strict = bool(export_kwargs.pop("strict", False))
@@ -199,18 +194,6 @@ def export(
     if isinstance(args, torch.Tensor):  # export(f, x): one example input, not a tuple of rows
         args = (args,)
     binding = bind(spec, mod, tuple(args), kwargs)
-    if strict:
-        _check_strict_supported(binding)
-    derived_tensor_dims = any(isinstance(leaf.entry, TensorEntry) and any(
-        isinstance(d, DimExpr) and not d.is_var for d in leaf.entry.dims) for leaf in binding.leaves)
-    reason = shared_bindings_unavailable() if derived_tensor_dims else None
-    if reason is not None:
-        _warn_once(
-            "export-bindings",
-            f"branchyard.shapes.export: {reason}; exporting with torch's native spec instead "
-            "(one symbol per occurrence of a var, tied by Eq asserts)",
-        )
-        return _export_native(fn, mod, spec, tuple(args), kwargs, strict, export_kwargs)
     inputs = make_symbolic_inputs(spec, binding, export=True)
     int_symbols: dict[Any, str] = {}  # filled while tracing: torch's symbol for each var an int argument binds
     # the program takes its inputs the way the example call passed them (like
@@ -219,14 +202,16 @@ def export(
     scalars = [leaf for leaf in binding.leaves if isinstance(leaf.entry, ScalarEntry) and isinstance(leaf.entry.dim, DimExpr)]
     if scalars:
         export_kwargs["dynamic_shapes"] = _scalar_spec(spec, binding, scalars, mod)
+    # strict: Dynamo gives each dim with a symbol of its own a fresh symbol again, tied to nothing
+    own_dims = [(leaf, i, d) for leaf in binding.leaves if isinstance(leaf.entry, TensorEntry)
+                for i, d in enumerate(leaf.entry.dims) if needs_own_symbol(d)] if strict else []
     with (
         _without_native_spec(fn),
         # strict: Dynamo re-fakifies our fakes into a ShapeEnv of its own (same
         # symbols and ranges); ours must not be the ambient one then
         contextlib.nullcontext() if strict else tracing_with(inputs),
         _checking_forward(mod, spec, binding, scalars, restate_divisors=strict,
-                          int_symbols=None if strict else int_symbols),
-        shared_symbol_bindings() if derived_tensor_dims else contextlib.nullcontext(),
+                          int_symbols=None if strict else int_symbols, tie_dims=own_dims),
     ):
         try:
             ep = torch.export.export(mod, inputs.args, inputs.kwargs, strict=strict, **export_kwargs)
@@ -238,8 +223,8 @@ def export(
                     raise diagnosis from err
             _raise_explained(err, inputs, spec, int_symbols)
             raise
-    var_of_symbol = _strict_symbols(ep, inputs, binding) if strict else inputs.var_of_symbol()
-    insert_dim_checks(ep.graph_module, var_of_symbol)
+    var_of_symbol, derived = _strict_symbols(ep, inputs, binding) if strict else (inputs.var_of_symbol(), inputs.derived)
+    insert_dim_checks(ep.graph_module, var_of_symbol, derived)
     # torch.export kept the fakes it was given; the program should carry the
     # caller's example inputs, as plain torch.export's does (save/load, ep.module()(*ep.example_inputs[0]))
     ep.example_inputs = (tuple(args), dict(kwargs or {}))
@@ -249,43 +234,12 @@ def export(
     return ep
 
 
-def _check_strict_supported(binding: Binding) -> None:
-    """Strict export re-fakifies the inputs in Dynamo; refuse a spec that would lose a relation.
-
-    Measured on torch 2.14.1: Dynamo copies our symbolic sizes into a ShapeEnv
-    of its own, input by input in argument order and dim by dim, keeping a
-    var's symbol (shared across inputs) and any derived dim whose vars it has
-    already met bare (``2*batch``, ``seq - 1``, ``batch*heads``). A derived dim
-    met *before* one of its vars gets a fresh symbol tied to nothing (and so
-    does that var's later bare slot), which would leave the relation unchecked.
-    """
-    order = {name: i for i, name in enumerate(binding.arguments.signature.parameters)}
-    seen: set[str] = set()
-    # int arguments do not count: they are tied to their vars by a torch._check
-    # inside the trace, which works in any order
-    tensors = [leaf for leaf in binding.leaves if isinstance(leaf.entry, TensorEntry)]
-    for leaf in sorted(tensors, key=lambda leaf: order.get(leaf.keys[0], len(order))):
-        for i, dim in enumerate(leaf.entry.dims):
-            if not isinstance(dim, DimExpr):
-                continue
-            if dim.is_var:
-                seen.add(dim.name)
-                continue
-            unmet = sorted(set(dim.vars) - seen)
-            if unmet:
-                slot = f"{leaf.path} dim {i}"
-                raise ShapeSpecError(
-                    f"{dim} comes before any slot where ShapeVar {unmet[0]!r} is the whole dim; with strict=True, "
-                    "torch 2.14.1's export (Dynamo) would give it a symbol of its own, tied to nothing",
-                    where=slot,
-                    hint=f"put a slot where {unmet[0]!r} is the whole dim in an earlier argument (or an earlier "
-                    "dim), or use the default non-strict export",
-                )
-
-
-def _strict_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs, binding: Binding) -> dict[Any, str]:
+def _strict_symbols(
+    ep: torch.export.ExportedProgram, inputs: SymbolicInputs, binding: Binding
+) -> tuple[dict[Any, str], dict[Any, Any]]:
     """After a strict export: Dynamo's symbol for each var, checking that every
-    declared tensor dim is still that expression of them.
+    declared tensor dim is still that expression of them; and each dim with a
+    symbol of its own (:func:`needs_own_symbol`) -> its expression in them.
 
     Dynamo numbers symbols in its own order (an int argument first takes
     ``u0``), so the symbols are found by position: the tensor user inputs
@@ -317,6 +271,7 @@ def _strict_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs, bi
         if isinstance(leaf.entry, TensorEntry):
             i = next(i for i, d in enumerate(leaf.entry.dims) if isinstance(d, DimExpr) and d.is_var and d.name == name)
             symbols[name] = size(leaf, i)[1].node.expr
+    derived: dict[Any, Any] = {}
     for leaf in binding.leaves:
         if not isinstance(leaf.entry, TensorEntry):
             continue
@@ -326,6 +281,9 @@ def _strict_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs, bi
             node, actual = size(leaf, i)
             got = actual.node.expr if isinstance(actual, torch.SymInt) else sympy.Integer(actual)
             expected = dim.expr.xreplace({v.symbol: symbols[n] for n, v in dim.vars.items()})
+            if needs_own_symbol(dim) and isinstance(got, sympy.Symbol) and got not in symbols.values():
+                derived[got] = expected  # tied by the forward's check (_checking_forward's tie_dims)
+                continue
             if sympy.simplify(got - expected) != 0:
                 raise ShapeSpecError(
                     f"strict export traced {leaf.path} dim {i} as {got}, not {dim} = {expected}; "
@@ -333,7 +291,7 @@ def _strict_symbols(ep: torch.export.ExportedProgram, inputs: SymbolicInputs, bi
                     where=f"argument {leaf.keys[0]!r}",
                     hint="use the default non-strict export",
                 )
-    return {sym: name for name, sym in symbols.items()}
+    return {sym: name for name, sym in symbols.items()}, derived
 
 
 def _diagnose_with_make_fx(fn: Any, spec: ShapesSpec, args: tuple, kwargs: dict | None) -> BaseException | None:
@@ -346,23 +304,6 @@ def _diagnose_with_make_fx(fn: Any, spec: ShapesSpec, args: tuple, kwargs: dict 
     except Exception:  # the re-trace failed differently: report torch's own error
         return None
     return None
-
-
-def _export_native(
-    fn: Any, mod: torch.nn.Module, spec: ShapesSpec, args: tuple, kwargs: dict | None, strict: bool, export_kwargs: dict
-) -> torch.export.ExportedProgram:
-    """The fallback: torch's own ``ShapesSpec`` and the real example inputs.
-    torch allocates one symbol per occurrence and ties copies with ``Eq`` asserts."""
-    if not HAS_NATIVE_SPEC:
-        raise ShapeSpecError(
-            f"torch {torch.__version__} has neither the binding step branchyard.shapes replaces "
-            "nor torch.fx.experimental.dynamic_spec",
-            hint="declare derived dims as ShapeVars of their own",
-        )
-    with _without_native_spec(fn):
-        ep = torch.export.export(mod, args, kwargs, dynamic_shapes=to_torch_spec(spec, mod), strict=strict, **export_kwargs)
-    ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
-    return ep
 
 
 def _as_called(arguments: inspect.BoundArguments, n_positional: int) -> tuple[tuple, dict[str, Any]]:
@@ -572,6 +513,7 @@ def _checking_forward(
     *,
     restate_divisors: bool,
     int_symbols: dict[Any, str] | None = None,
+    tie_dims: list[tuple[Leaf, int, DimExpr]] = (),  # type: ignore[assignment]
 ) -> Iterator[None]:
     """While exporting, run ``forward`` behind checks written with ``torch._check``:
 
@@ -579,7 +521,9 @@ def _checking_forward(
       a runtime assert in the graph, and a replacement the ShapeEnv uses;
     * with ``restate_divisors`` (strict export), each ``multiple_of`` is stated
       again on the traced sizes: Dynamo re-fakifies our inputs into a ShapeEnv
-      of its own that keeps the symbols and ranges but not the divisibility facts.
+      of its own that keeps the symbols and ranges but not the divisibility facts;
+    * each of ``tie_dims`` (strict export: the dims with a symbol of their own,
+      which Dynamo's copy leaves tied to nothing) is tied to its expression.
 
     The vars' values are read from the traced arguments, never closed over:
     Dynamo cannot take a SymInt from outside the frame. Non-strict, the symbol
@@ -587,11 +531,14 @@ def _checking_forward(
     (for error messages in ShapeVar terms).
     """
     divisors = [n for n, v in spec.vars.items() if v.multiple_of > 1] if restate_divisors else []
-    if not scalars and not divisors:
+    if not scalars and not divisors and not tie_dims:
         yield
         return
     original = mod.forward
     sig = inspect.signature(original)
+    # sympy is not traced by Dynamo: each expression as plain data, evaluated by evaluate_terms
+    scalar_terms = [None if leaf.entry.dim.is_var else leaf.entry.dim.terms() for leaf in scalars]
+    tied = [(leaf, i, dim.terms()) for leaf, i, dim in tie_dims]
 
     def forward_checking(*args: Any, **kwargs: Any) -> Any:
         arguments = sig.bind(*args, **kwargs)
@@ -599,7 +546,7 @@ def _checking_forward(
         env = {name: _anchor_size(binding, name, arguments.arguments) for name in binding.anchor}
         for name in divisors:
             torch._check(env[name] % spec.vars[name].multiple_of == 0)
-        for leaf in scalars:
+        for leaf, terms in zip(scalars, scalar_terms):
             value = leaf.get(arguments.arguments)
             dim = leaf.entry.dim
             if dim.is_var and binding.anchor[dim.name] is leaf:
@@ -608,7 +555,9 @@ def _checking_forward(
                 if dim.multiple_of > 1 and dim.name not in divisors:
                     torch._check(value % dim.multiple_of == 0)
                 continue
-            torch._check(value == dim.evaluate(env))
+            torch._check(value == (env[dim.name] if terms is None else evaluate_terms(terms, env)))
+        for leaf, i, terms in tied:
+            torch._check(leaf.get(arguments.arguments).shape[i] == evaluate_terms(terms, env))
         return original(*args, **kwargs)
 
     forward_checking.__signature__ = sig  # type: ignore[attr-defined]

@@ -10,10 +10,11 @@ the checks back where a graph needs them:
 * :func:`insert_dim_checks` -- every other dim built from vars is asserted
   against them, ``_assert_scalar(sym_size(y, 0) == 2 * sym_size(x, 0), ...)``;
 * :func:`insert_runtime_asserts` -- the two above plus torch's deferred
-  runtime asserts (ranges, divisors) for a ``make_fx`` graph;
-  :func:`shared_symbol_bindings` lets ``torch.export`` use the first one
-  (replacing a private torch step; :func:`shared_bindings_unavailable` says
-  when it cannot).
+  runtime asserts (ranges, divisors) for a ``make_fx`` graph.
+
+``torch.export`` needs no binding of ours: there each derived dim has a symbol
+of its own (:mod:`branchyard.shapes.symbolic`), and a bare var shared by
+several inputs passes torch's own binding step.
 
 Under ``torch.compile`` the symbols are Dynamo's, one per occurrence and tied
 by ``Eq`` asserts; :func:`drop_implied_range_checks` removes the range checks
@@ -32,9 +33,8 @@ After::
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from typing import Any, Iterator
+from typing import Any
 
 import sympy
 import torch
@@ -46,8 +46,6 @@ __all__ = [
     "bind_placeholder_symbols",
     "insert_dim_checks",
     "insert_runtime_asserts",
-    "shared_symbol_bindings",
-    "shared_bindings_unavailable",
     "drop_implied_range_checks",
 ]
 
@@ -96,64 +94,8 @@ def bind_placeholder_symbols(gm: torch.fx.GraphModule) -> None:
         )
 
 
-_BINDING_HOOK = ("torch.export._trace", "_add_input_unbacked_bindings")
-
-
-def shared_bindings_unavailable() -> str | None:
-    """Why :func:`shared_symbol_bindings` cannot work on this torch, or None if it can.
-
-    It replaces a private torch function (``torch.export._trace._add_input_unbacked_bindings``,
-    torch 2.14: ``(gm) -> None``, which insists each placeholder owns its symbols);
-    a missing function or a changed signature means our replacement would be
-    skipped or called wrongly.
-    """
-    import importlib
-    import inspect
-
-    module_name, name = _BINDING_HOOK
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        return f"{module_name} cannot be imported ({err})"
-    original = getattr(module, name, None)
-    if original is None:
-        return f"{module_name}.{name} is missing in torch {torch.__version__}"
-    try:
-        params = list(inspect.signature(original).parameters.values())
-    except (TypeError, ValueError):
-        return f"{module_name}.{name} has no readable signature"
-    if [p.name for p in params] != ["gm"]:
-        return f"{module_name}.{name} takes ({', '.join(p.name for p in params)}), not (gm)"
-    return None
-
-
-@contextlib.contextmanager
-def shared_symbol_bindings() -> Iterator[None]:
-    """Let torch.export bind symbols that several placeholders share.
-
-    torch.export asserts that every unbacked symbol in a placeholder's sizes is
-    bound *by that placeholder*; ``y: (2*u0, 4)`` binds nothing, so it refuses.
-    For the duration, its private binding step is replaced by
-    :func:`bind_placeholder_symbols`. Callers check
-    :func:`shared_bindings_unavailable` first; it is needed only when some
-    tensor dim is a derived expression (bare shared vars pass torch's check).
-    """
-    import importlib
-
-    reason = shared_bindings_unavailable()
-    if reason is not None:
-        raise ShapeSpecError(f"cannot share symbols between placeholders: {reason}")
-    module_name, name = _BINDING_HOOK
-    module = importlib.import_module(module_name)
-    original = getattr(module, name)
-    setattr(module, name, bind_placeholder_symbols)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
-
-
-def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -> int:
+def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str],
+                      derived: dict[Any, Any] | None = None) -> int:
     """Assert, in the graph, every declared dim that does not bind its own symbol.
 
     A var is bound where it first appears bare; every other dim built from
@@ -162,7 +104,9 @@ def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -
         s = sym_size(y, 0); _assert_scalar(s == 2 * sym_size(x, 0), "y dim 0 must equal 2*batch")
 
     Without it the graph would trust its inputs: the fakes' sizes *are* the
-    expressions, so tracing itself never records the relation. Returns the
+    expressions, so tracing itself never records the relation. A dim whose
+    symbol is a key of ``derived`` (an exported dim with a symbol of its own)
+    is checked against its expression there, in the vars' terms. Returns the
     number of checks added.
     """
     import operator
@@ -175,8 +119,9 @@ def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -
     if first_op is None:
         return 0
     ours = set(var_of_symbol)
+    derived = derived or {}
     binding: dict[Any, tuple[torch.fx.Node, int | None, Any]] = {}
-    others: list[tuple[torch.fx.Node, int | None, Any]] = []
+    others: list[tuple[torch.fx.Node, int | None, Any, Any]] = []  # (placeholder, dim, size, expected)
     for ph in placeholders:
         val = ph.meta.get("val")
         dims = list(enumerate(val.shape)) if isinstance(val, torch.Tensor) else []
@@ -184,14 +129,17 @@ def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -
             if val.node.expr in ours and val.node.expr not in binding:
                 binding[val.node.expr] = (ph, None, val)
             else:
-                others.append((ph, None, val))
+                others.append((ph, None, val, val.node.expr))
         for i, d in dims:
+            if isinstance(d, torch.SymInt) and d.node.expr in derived:
+                others.append((ph, i, d, derived[d.node.expr]))
+                continue
             if not isinstance(d, torch.SymInt) or not (d.node.expr.free_symbols & ours):
                 continue
             if isinstance(d.node.expr, sympy.Symbol) and d.node.expr not in binding:
                 binding[d.node.expr] = (ph, i, d)
             else:
-                others.append((ph, i, d))
+                others.append((ph, i, d, d.node.expr))
     if not others:
         return 0
 
@@ -228,8 +176,7 @@ def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str]) -
 
     with graph.inserting_before(first_op):
         syms = {sym: size_node(*where) for sym, where in binding.items()}
-        for ph, i, d in others:
-            expr = d.node.expr
+        for ph, i, d, expr in others:
             actual = size_node(ph, i, d)
             expected = build(expr, syms)
             readable = expr.xreplace({s: sympy.Symbol(var_of_symbol[s]) for s in expr.free_symbols if s in var_of_symbol})

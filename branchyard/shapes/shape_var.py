@@ -97,6 +97,20 @@ class DimExpr:
             )
         return _walk(self.expr, values)
 
+    def terms(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """The expression as ``(coefficient, var names)`` terms, a name repeated
+        per power (``2*b*b - 1`` -> ``((2, ('b', 'b')), (-1, ()))``): plain data
+        that code Dynamo traces can evaluate (:func:`evaluate_terms`)."""
+        symbols = [v.symbol for v in self.vars.values()]
+        names = list(self.vars)
+        poly = sympy.Poly(self.expr, *symbols) if symbols else None
+        if poly is None:
+            return ((int(self.expr), ()),)
+        return tuple(
+            (int(coef), tuple(n for n, p in zip(names, powers) for _ in range(p)))
+            for powers, coef in poly.terms()
+        )
+
     def linear_root(self) -> tuple["ShapeVar", int, int] | None:
         """``(var, a, b)`` when the expression is ``a * var + b`` with ``a > 0``, else None."""
         if len(self.vars) != 1:
@@ -248,6 +262,18 @@ def _merge_vars(a: Mapping[str, ShapeVar], b: Mapping[str, ShapeVar]) -> dict[st
             )
         merged[name] = var
     return merged
+
+
+def evaluate_terms(terms: tuple[tuple[int, tuple[str, ...]], ...], env: Mapping[str, Any]) -> Any:
+    """The value of :meth:`DimExpr.terms` with each var replaced by ``env[name]``,
+    by plain ``+`` and ``*`` in loops (Dynamo traces it; the values may be SymInts)."""
+    total: Any = 0
+    for coef, names in terms:
+        term: Any = coef
+        for name in names:
+            term = term * env[name]
+        total = total + term
+    return total
 
 
 def _walk(expr: sympy.Expr, env: Mapping[str, Any]) -> Any:

@@ -12,6 +12,12 @@ unbacked symbol, created once in a fresh ``ShapeEnv``:
 and every declared dim is built from those symbols (``2 * batch`` becomes the
 SymInt ``2*u0``). Fake tensors with those sizes, in a ``FakeTensorMode`` over
 that ``ShapeEnv``, are what ``make_fx`` and non-strict ``torch.export`` trace.
+For ``torch.export``, a derived tensor dim (``2 * batch``, ``seq - 1``) gets a
+symbol of its own, tied by ``torch._check(u2 == u1 - 1)``, so that each input
+owns the symbols of its sizes: torch binds an input's symbols only from a size
+that is a symbol or an int times one (the latter by a division it never
+checks), and when it traces the program again (``run_decompositions``) it
+refuses any other size and drops a check it can prove from the sizes alone.
 Range and divisibility checks are recorded once per var, so the traced graph
 carries one set of runtime asserts per var however many inputs share it.
 """
@@ -30,7 +36,7 @@ from branchyard.shapes.shape_var import DimExpr
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.validation import Binding, Leaf
 
-__all__ = ["SymbolicInputs", "make_symbolic_inputs"]
+__all__ = ["SymbolicInputs", "make_symbolic_inputs", "needs_own_symbol"]
 
 
 @dataclass
@@ -43,6 +49,8 @@ class SymbolicInputs:
     kwargs: dict
     #: var name -> the SymInt standing for it
     symbols: dict[str, torch.SymInt] = field(default_factory=dict)
+    #: export only: the symbol of each dim that got one of its own -> its expression over the vars' symbols
+    derived: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)
 
     def var_of_symbol(self) -> dict[sympy.Symbol, str]:
         """Unbacked sympy symbol (``u0``) -> ShapeVar name, for error messages."""
@@ -56,6 +64,12 @@ def _contiguous_strides(sizes: list[Any]) -> list[Any]:
     return strides
 
 
+def needs_own_symbol(dim: Any) -> bool:
+    """Whether an exported tensor dim gets a symbol of its own, tied to its vars
+    by an ``Eq`` check: every derived dim (see the module docstring)."""
+    return isinstance(dim, DimExpr) and not dim.is_var
+
+
 def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) -> SymbolicInputs:
     """Fake inputs for ``binding`` with one unbacked symbol per ShapeVar.
 
@@ -65,6 +79,8 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     :func:`branchyard.shapes.entry_points.export` makes them unbacked through
     torch's own spec and ties them to the vars while tracing. A var that only
     an int argument binds then has no symbol here, and no tensor dim may use it.
+    A tensor dim that :func:`needs_own_symbol` gets a fresh symbol, tied to its
+    expression (``derived``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -73,6 +89,7 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     fake_mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True, export=export)
 
     symbols: dict[str, torch.SymInt] = {}
+    derived: dict[sympy.Symbol, sympy.Expr] = {}
     # Vars in binding order: the first slot that binds a var names its symbol u0, u1, ...
     with shape_env.ignore_fresh_unbacked_symbols():
         for name, anchor in binding.anchor.items():
@@ -98,7 +115,14 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
                     "which torch.export cannot make a tensor size depend on",
                     hint=f"let a tensor dim carry {unanchored[0]!r} bare, or use branchyard.shapes.make_fx / compile",
                 )
-            return dim.evaluate(symbols)
+            value = dim.evaluate(symbols)
+            if export and needs_own_symbol(dim):  # export fakes only tensors: this is a tensor dim
+                with shape_env.ignore_fresh_unbacked_symbols():
+                    own = shape_env.create_unbacked_symint()
+                torch._check(own == value)  # its range and the relation, for reasoning while tracing
+                derived[own.node.expr] = value.node.expr
+                return own
+            return value
         return dim
 
     replaced: dict[int, Any] = {}
@@ -113,7 +137,7 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     for name, value in arguments.arguments.items():
         new_arguments[name] = _substitute(value, name, binding.leaves, replaced)
     arguments.arguments.update(new_arguments)
-    return SymbolicInputs(fake_mode, shape_env, tuple(arguments.args), dict(arguments.kwargs), symbols)
+    return SymbolicInputs(fake_mode, shape_env, tuple(arguments.args), dict(arguments.kwargs), symbols, derived)
 
 
 def _fake_leaf(leaf: Leaf, size_of: Any) -> Any:

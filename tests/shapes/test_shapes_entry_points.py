@@ -6,6 +6,8 @@ Graph structure is asserted by counting: unbacked symbols in the inputs,
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import sympy
 import torch
@@ -238,18 +240,78 @@ def check_outputs(got, args):
 
 def test_derived_dims_in_export():
     ep = shapes.export(derived_fn, derived_args(), spec=DERIVED)
-    # one symbol per var (batch, heads, seq) + one for the int input n, tied to seq by one assert
-    assert len(input_symbols(ep.graph_module, ["x", "y", "w", "s"])) == 3
-    assert len(input_symbols(ep.graph_module)) == 4
+    # one symbol per var (batch u0, heads u1, seq u2) and one per derived dim, tied by Eq:
+    # 2*batch (u3), batch*heads (u4), and the int input n (u5, seq - 1)
+    assert len(input_symbols(ep.graph_module, ["x", "y", "w", "s"])) == 5
+    assert len(input_symbols(ep.graph_module)) == 6
+    assert len(ep.range_constraints) == 6
     msgs = assert_messages(ep.graph_module)
     assert "branchyard.shapes: input y dim 0 must equal 2*batch" in msgs
     assert "branchyard.shapes: input w dim 0 must equal batch*heads" in msgs
-    assert any("Eq(u3 + 1, u2)" in m for m in msgs)  # n == seq - 1
+    assert any("Eq(u3, 2*u0)" in m for m in msgs)
+    assert any("Eq(u4, u0*u1)" in m for m in msgs)
+    assert any("Eq(u5 + 1, u2)" in m for m in msgs)
     for b, h, sq in [(2, 1, 8), (5, 2, 24), (128, 8, 64)]:
         a = derived_args(b, h, sq)
         check_outputs(ep.module()(*a), a)
     with pytest.raises(RuntimeError, match="input y dim 0 must equal 2\\*batch"):
         ep.module()(torch.randn(5, 4), torch.randn(11, 4), torch.randn(10, 2), torch.randn(24), 23)
+
+
+# Every kind of derived tensor dim: an int times a var (torch would bind the var from it by a
+# division it never checks), an offset, a product of vars, a square.
+DERIVED_KINDS = {"2*batch": 2 * batch, "batch - 1": batch - 1, "2*batch + 1": 2 * batch + 1,
+                 "batch*heads": batch * heads, "batch**2": batch * batch}
+
+
+def _derived_kind(kind: str):
+    dim = DERIVED_KINDS[kind]
+
+    def f(x, y):
+        return x.sum(0), y * 2
+
+    def inputs(b, h, extra=0):
+        return torch.randn(b, h), torch.randn(dim.evaluate({"batch": b, "heads": h}) + extra, 4)
+
+    return {"x": (batch, heads), "y": (dim, 4)}, f, inputs
+
+
+@pytest.mark.parametrize("kind", list(DERIVED_KINDS))
+def test_exported_derived_dims_survive_run_decompositions_and_save(kind, tmp_path):
+    """Each derived dim has a symbol of its own, tied by an Eq assert. With the
+    expression as its size, torch's re-trace (run_decompositions) raised on
+    ``batch - 1`` and the like, and dropped the check of ``2*batch``."""
+    spec, f, inputs = _derived_kind(kind)
+    ep = shapes.export(f, inputs(3, 2), spec=spec)
+    assert len(ep.range_constraints) == 3  # batch, heads and the dim's own
+    torch.export.save(ep, tmp_path / "p.pt2")
+    for program in (ep, ep.run_decompositions(), torch.export.load(tmp_path / "p.pt2").run_decompositions()):
+        for b, h in [(2, 1), (5, 3), (9, 8)]:
+            a = inputs(b, h)
+            for got, want in zip(program.module()(*a), f(*a)):
+                torch.testing.assert_close(got, want)
+        with pytest.raises(RuntimeError, match="Runtime assertion failed|must equal"):
+            program.module()(*inputs(5, 3, extra=1))
+    with pytest.raises(RuntimeError, match=re.escape(f"branchyard.shapes: input y dim 0 must equal {DERIVED_KINDS[kind]}")):
+        ep.module()(*inputs(5, 3, extra=1))
+
+
+@pytest.mark.parametrize("kind", list(DERIVED_KINDS))
+def test_strict_export_ties_derived_dims_in_any_argument_order(kind):
+    """Dynamo copies the fakes' symbols into a ShapeEnv of its own; the ties are
+    stated again inside the trace, so a derived dim may come before its vars."""
+    spec, f, inputs = _derived_kind(kind)
+
+    def backwards(y, x):
+        return f(x, y)
+
+    ep = shapes.export(backwards, inputs(3, 2)[::-1], spec=spec, strict=True)
+    for b, h in [(2, 1), (5, 3), (9, 8)]:
+        a = inputs(b, h)
+        for got, want in zip(ep.module()(*a[::-1]), f(*a)):
+            torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError, match=re.escape(f"branchyard.shapes: input y dim 0 must equal {DERIVED_KINDS[kind]}")):
+        ep.module()(*inputs(5, 3, extra=1)[::-1])
 
 
 def test_derived_dims_in_make_fx():
@@ -459,7 +521,8 @@ def test_round_tripped_spec_drives_every_entry_point_the_same(round_trip):
     for s in (spec, back):
         ep = shapes.export(f, args, spec=s)
         gm = shapes.make_fx(f, spec=s)(*args)
-        assert (len(ep.range_constraints), n_asserts(ep.graph_module)) == (2, 6)
+        # the derived dim's own symbol: a range and an Eq check more than make_fx's graph
+        assert (len(ep.range_constraints), n_asserts(ep.graph_module)) == (3, 9)
         assert (len(input_symbols(gm)), n_asserts(gm)) == (2, 6)
     counter = CompileCounterWithBackend("eager")
     compiled = shapes.compile(f, spec=back, backend=counter)
@@ -665,12 +728,14 @@ def linear_fn(x, y, s, m):
 def test_strict_export_keeps_linear_derived_dims_and_divisors():
     args = (torch.randn(3, 4), torch.randn(6, 4), torch.randn(16), torch.randn(3, 15))
     ep = shapes.export(linear_fn, args, spec=LINEAR, strict=True)
-    assert len(ep.range_constraints) == 2  # batch, seq
-    assert len(input_symbols(ep.graph_module)) == 2
+    # batch, seq, and the own symbols of 2*batch and seq - 1, tied by Eq inside Dynamo's trace
+    # (which then sizes y by 2*batch: three symbols in the inputs)
+    assert len(ep.range_constraints) == 4
+    assert len(input_symbols(ep.graph_module)) == 3
     msgs = assert_messages(ep.graph_module)
     assert "branchyard.shapes: input y dim 0 must equal 2*batch" in msgs
     assert "branchyard.shapes: input m dim 1 must equal seq - 1" in msgs
-    assert any("Eq(Mod(u1, 8), 0)" in m for m in msgs)  # restated inside Dynamo's trace
+    assert any("Eq(Mod(u2, 8), 0)" in m for m in msgs)  # restated inside Dynamo's trace (seq is u2)
     good = (torch.randn(5, 4), torch.randn(10, 4), torch.randn(24), torch.randn(5, 23))
     for got, want in zip(ep.module()(*good), linear_fn(*good)):
         torch.testing.assert_close(got, want)
@@ -704,67 +769,11 @@ def test_strict_export_of_products_and_int_arguments():
         ep.module()(a[0], torch.randn(2, 11), *a[2:])
 
 
-def test_strict_export_refuses_a_derived_dim_before_its_var():
-    """Dynamo copies sizes input by input: a derived dim met before its var's bare
-    slot would get a symbol of its own, tied to nothing."""
-
-    def f(y, x):
-        return y, x
-
-    spec = {"x": (batch, 4), "y": (2 * batch, 4)}
-    args = (torch.randn(6, 4), torch.randn(3, 4))
-    with pytest.raises(ShapeSpecError, match=r"y dim 0: 2\*batch comes before any slot where ShapeVar 'batch' is the whole dim"):
-        shapes.export(f, args, spec=spec, strict=True)
-    assert len(shapes.export(f, args, spec=spec).range_constraints) == 1  # non-strict: fine
-
-
 def test_strict_export_diagnoses_a_branch_on_a_declared_dim():
     with pytest.raises(DataDependentShapeError) as info:
         shapes.export(branchy, (torch.randn(4, 4),), spec=BRANCH_SPEC, strict=True)
     text = str(info.value)
     assert "test_shapes_entry_points.py:" in text and BRANCH_LINE in text and "`batch > 64`" in text
-
-
-# -- the private binding step of torch.export: feature-detected, with a fallback ----------------------
-
-
-@pytest.mark.parametrize("how", ["missing", "signature changed"])
-def test_export_falls_back_to_torchs_native_spec_without_the_binding_step(monkeypatch, how):
-    import torch.export._trace as trace_module
-
-    import branchyard.shapes.entry_points as entry_points
-    import branchyard.shapes.graph_checks as graph_checks
-
-    monkeypatch.setattr(entry_points, "_warned", set())
-    if how == "missing":  # as on a torch without it (torch's own export still needs the real one)
-        monkeypatch.setattr(graph_checks, "_BINDING_HOOK", ("torch.export._trace", "_no_such_binding_step"))
-    else:
-        original = trace_module._add_input_unbacked_bindings
-
-        def changed(gm, shape_env=None):
-            return original(gm)
-
-        monkeypatch.setattr(trace_module, "_add_input_unbacked_bindings", changed)
-    spec = ShapesSpec({"x": (batch, 4), "y": (2 * batch, 4)})
-
-    def f(x, y):
-        return torch.cat([x, x]) + y
-
-    args = (torch.randn(3, 4), torch.randn(6, 4))
-    with pytest.warns(shapes.ShapesFallbackWarning, match="exporting with torch's native spec"):
-        ep = shapes.export(f, args, spec=spec)
-    assert len(ep.range_constraints) == 2  # torch's way: a symbol per occurrence, tied by Eq
-    good = (torch.randn(7, 4), torch.randn(14, 4))
-    torch.testing.assert_close(ep.module()(*good), f(*good))
-    with pytest.raises(SpecViolationError, match="y dim 0 has size 13, but the spec says 2\\*batch = 14"):
-        shapes.checked_module(ep)(good[0], torch.randn(13, 4))
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once per process
-        shapes.export(f, args, spec=spec)
-    # a spec with no derived tensor dim never needs the binding step: no fallback
-    assert len(shapes.export(add3, ARGS3, spec=SHARED).range_constraints) == 1
 
 
 def test_strict_export_matches_symbols_by_position_when_an_int_comes_first():

@@ -53,7 +53,6 @@ from torch._dynamo.utils import counters
 
 import branchyard.shapes as shapes
 from branchyard.shapes import ShapesSpec, ShapeVar
-from branchyard.shapes.entry_points import _quiet_metrics_logging
 
 BATCH = ShapeVar("batch", min=2, max=128)
 VARIANTS = ("shapes.compile (spec)", "torch.compile(dynamic=True)", "torch.compile (no spec)")
@@ -235,9 +234,7 @@ def run_compile_graphs(d: int, sizes: list[int]) -> list[dict]:
         "torch.compile + mark_unbacked(shape_id)": (lambda b: torch.compile(block, backend=b, fullgraph=True), marked),
     }
     rows = []
-    # torch 2.14.1 logs a JSON-encoding traceback for native specs with derived
-    # dims (harmless; shapes.compile filters it the same way)
-    with torch.no_grad(), _quiet_metrics_logging():
+    with torch.no_grad():
         for name, (make, make_inputs) in variants.items():
             torch._dynamo.reset()
             keep = KeepGraphs()

@@ -7,6 +7,7 @@ Graph structure is asserted by counting: unbacked symbols in the inputs,
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import sympy
@@ -294,6 +295,22 @@ def test_exported_derived_dims_survive_run_decompositions_and_save(kind, tmp_pat
             program.module()(*inputs(5, 3, extra=1))
     with pytest.raises(RuntimeError, match=re.escape(f"branchyard.shapes: input y dim 0 must equal {DERIVED_KINDS[kind]}")):
         ep.module()(*inputs(5, 3, extra=1))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="AOTInductor needs a C++ compiler")
+@pytest.mark.parametrize("kind", ["2*batch", "batch - 1"])
+def test_aot_inductor_package_checks_derived_dims(kind, tmp_path):
+    """AOTInductor decomposes the program first: with a derived dim as its input's
+    size expression, the compiled package ran inputs that break the spec."""
+    spec, f, inputs = _derived_kind(kind)
+    ep = shapes.export(f, inputs(3, 2), spec=spec)
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "p.pt2"))
+    runner = torch._inductor.aoti_load_package(package)
+    a = inputs(7, 4)
+    for got, want in zip(runner(*a), f(*a)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(RuntimeError):
+        runner(*inputs(7, 4, extra=1))
 
 
 @pytest.mark.parametrize("kind", list(DERIVED_KINDS))

@@ -19,9 +19,10 @@ def test_toy_run_writes_every_table(bench, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [r["variant"] for r in data["compile"]][0] == "shapes.compile (spec)"
     export = {r["variant"]: r for r in data["export"]}
-    # batch, and pair's 2*batch with a symbol of its own (tied by Eq): strict or not
-    assert export["shapes.export (spec)"]["symbols"] == 2
-    assert export["shapes.export (spec, strict=True)"]["symbols"] == 2
+    # a symbol per input, tied to batch by named checks: one pair of range checks and
+    # an equality per other input (strict: 5 asserts, as the docs' table says)
+    assert export["shapes.export (spec)"]["symbols"] == 4
+    assert export["shapes.export (spec, strict=True)"]["asserts"] == 5
     assert export["torch.export + native ShapesSpec"]["symbols"] == 4
     assert {r["variant"]: r["frames"] for r in data["compile_graphs"]}["shapes.compile (spec)"] == 1
     assert "== export: 3 inputs share batch, 1 input is 2*batch" in capsys.readouterr().out

@@ -13,8 +13,8 @@ by :func:`~branchyard.shapes.dynamic_spec`; both at once is an error), and:
 How step 2 is done per entry point:
 
 =============  ==============================================================
-``export``     our own fake inputs (one unbacked symbol per ShapeVar, and one
-               per derived dim tied to them by an ``Eq`` check,
+``export``     our own fake inputs (one unbacked symbol per ShapeVar where it
+               binds, and one per other dim tied to them by a named check,
                :mod:`branchyard.shapes.symbolic`) handed to
                ``torch.export.export``; plain functions are wrapped in a module
                that owns the ``nn.Module`` s they close over. ``strict=True``
@@ -52,11 +52,16 @@ from torch.utils import _pytree as pytree
 from branchyard.errors import ShapeSpecError, SpecViolationError
 from branchyard.shapes.decorator import NATIVE_SPEC_ATTR, get_spec
 from branchyard.shapes.diagnostics import explain, find_data_dependent_error
-from branchyard.shapes.graph_checks import drop_implied_range_checks, insert_dim_checks, insert_runtime_asserts
+from branchyard.shapes.graph_checks import (
+    drop_implied_range_checks,
+    drop_tied_symbol_checks,
+    insert_dim_checks,
+    insert_runtime_asserts,
+)
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, compiles_through_wrapper, to_torch_spec
 from branchyard.shapes.shape_var import DimExpr, evaluate_terms
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec, TensorEntry
-from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, needs_own_symbol, tracing_with
+from branchyard.shapes.symbolic import SymbolicInputs, anchor_slots, make_symbolic_inputs, needs_own_symbol, tracing_with
 from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, is_tracing, signature_of
 
 __all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "ShapesFallbackWarning", "resolve_spec"]
@@ -174,17 +179,18 @@ def export(
     spec: ShapesSpec | dict | None = None,
     **export_kwargs: Any,
 ) -> torch.export.ExportedProgram:
-    """``torch.export.export`` with the spec's dims as unbacked symbols, one per ShapeVar.
+    """``torch.export.export`` with the spec's dims as unbacked symbols, tied to one per ShapeVar.
 
     ``fn`` may be a plain function (wrapped in a module that owns the modules
     it refers to) or an ``nn.Module``. ``args``/``kwargs`` are example inputs;
     they must satisfy the spec. Extra keyword arguments go to
     ``torch.export.export`` (``strict=True`` too).
     Returns the ``ExportedProgram``; its ``range_constraints`` hold one entry
-    per ShapeVar, plus one per derived dim, tensor dim or int argument
-    (``2 * batch``, ``seq - 1``): each has a symbol of its own, tied to the
-    vars by an ``Eq`` assert, so that every input owns the symbols of its
-    sizes and torch can trace the program again (``run_decompositions``).
+    per ShapeVar, plus one per other declared dim or int argument (a second
+    ``batch``, ``2 * batch``, ``seq - 1``): each has a symbol of its own, tied
+    to the vars by a check, so that every input owns the symbols of its sizes
+    and torch's re-trace (``run_decompositions``, AOTInductor) keeps the
+    checks. ``strict=True`` warns where Dynamo undid that.
     """
     spec = resolve_spec(fn, spec)
     strict = bool(export_kwargs.pop("strict", False))
@@ -203,8 +209,9 @@ def export(
     if scalars:
         export_kwargs["dynamic_shapes"] = _scalar_spec(spec, binding, scalars, mod)
     # strict: Dynamo gives each dim with a symbol of its own a fresh symbol again, tied to nothing
+    anchors = anchor_slots(binding)
     own_dims = [(leaf, i, d) for leaf in binding.leaves if isinstance(leaf.entry, TensorEntry)
-                for i, d in enumerate(leaf.entry.dims) if needs_own_symbol(d)] if strict else []
+                for i, d in enumerate(leaf.entry.dims) if needs_own_symbol(d, leaf, i, anchors)] if strict else []
     with (
         _without_native_spec(fn),
         # strict: Dynamo re-fakifies our fakes into a ShapeEnv of its own (same
@@ -224,7 +231,17 @@ def export(
             _raise_explained(err, inputs, spec, int_symbols)
             raise
     var_of_symbol, derived = _strict_symbols(ep, inputs, binding) if strict else (inputs.var_of_symbol(), inputs.derived)
+    if strict and own_dims and _shares_symbols(ep):
+        warnings.warn(
+            f"branchyard.shapes.export(strict=True) of {_name(fn)}: Dynamo wrote input sizes in other "
+            "inputs' symbols; torch.export's re-trace (run_decompositions, "
+            "AOTInductor) then does not check that those inputs agree. Export non-strict (the default) "
+            "for those.",
+            UserWarning,
+            stacklevel=2,
+        )
     insert_dim_checks(ep.graph_module, var_of_symbol, derived)
+    drop_tied_symbol_checks(ep.graph_module, derived)
     # torch.export kept the fakes it was given; the program should carry the
     # caller's example inputs, as plain torch.export's does (save/load, ep.module()(*ep.example_inputs[0]))
     ep.example_inputs = (tuple(args), dict(kwargs or {}))
@@ -232,6 +249,25 @@ def export(
     ep.branchyard_shapes = (spec, signature_of(mod))  # type: ignore[attr-defined]
     logger.info("shapes.export %s: %s; range constraints %s", _name(fn), _describe(spec), dict(ep.range_constraints))
     return ep
+
+
+def _shares_symbols(ep: torch.export.ExportedProgram) -> bool:
+    """Whether some input's size, as torch will read it, is written in a symbol an
+    earlier input's size already is (the ShapeEnv replaced its own symbol)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    seen: set[Any] = set()
+    for node in ep.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val] if isinstance(val, torch.SymInt) else []
+        mine = set()
+        for d in sizes:
+            if isinstance(d, torch.SymInt):
+                if free_unbacked_symbols(d.node.expr) & seen:
+                    return True
+                mine |= free_unbacked_symbols(d.node.expr)
+        seen |= mine
+    return False
 
 
 def _strict_symbols(
@@ -266,6 +302,7 @@ def _strict_symbols(
         node = traced[id(fakes[id(leaf)])]
         return node, node.meta["val"].shape[i]
 
+    anchors = anchor_slots(binding)
     symbols: dict[str, Any] = {}
     for name, leaf in binding.anchor.items():
         if isinstance(leaf.entry, TensorEntry):
@@ -281,8 +318,9 @@ def _strict_symbols(
             node, actual = size(leaf, i)
             got = actual.node.expr if isinstance(actual, torch.SymInt) else sympy.Integer(actual)
             expected = dim.expr.xreplace({v.symbol: symbols[n] for n, v in dim.vars.items()})
-            if needs_own_symbol(dim) and isinstance(got, sympy.Symbol) and got not in symbols.values():
-                derived[got] = expected  # tied by the forward's check (_checking_forward's tie_dims)
+            raw = getattr(actual.node, "_expr", None) if isinstance(actual, torch.SymInt) else None
+            if needs_own_symbol(dim, leaf, i, anchors) and isinstance(raw, sympy.Symbol) and raw not in symbols.values():
+                derived[raw] = expected  # tied by the forward's check (_checking_forward's tie_dims)
                 continue
             if sympy.simplify(got - expected) != 0:
                 raise ShapeSpecError(

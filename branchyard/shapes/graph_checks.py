@@ -47,6 +47,7 @@ __all__ = [
     "insert_dim_checks",
     "insert_runtime_asserts",
     "drop_implied_range_checks",
+    "drop_tied_symbol_checks",
 ]
 
 
@@ -131,8 +132,9 @@ def insert_dim_checks(gm: torch.fx.GraphModule, var_of_symbol: dict[Any, str],
             else:
                 others.append((ph, None, val, val.node.expr))
         for i, d in dims:
-            if isinstance(d, torch.SymInt) and d.node.expr in derived:
-                others.append((ph, i, d, derived[d.node.expr]))
+            raw = getattr(d.node, "_expr", None) if isinstance(d, torch.SymInt) else None
+            if raw in derived:  # its own symbol, maybe replaced by its expression since
+                others.append((ph, i, d, derived[raw]))
                 continue
             if not isinstance(d, torch.SymInt) or not (d.node.expr.free_symbols & ours):
                 continue
@@ -327,6 +329,53 @@ def drop_implied_range_checks(gm: torch.fx.GraphModule) -> int:
             bounds[sym] = keep
             if not keep:
                 break
+    for node in removed:
+        _erase_with_inputs(gm.graph, node)
+    if removed:
+        gm.recompile()
+    return len(removed)
+
+
+def drop_tied_symbol_checks(gm: torch.fx.GraphModule, derived: dict[Any, Any]) -> int:
+    """In an exported graph, remove torch's checks on the symbols that
+    :func:`insert_dim_checks` ties by name (``derived``: own symbol -> expression).
+
+    Each such symbol's ``Eq`` assert repeats the named check, and its range was
+    derived by torch from that equality and the vars' ranges, which stay
+    checked. Before (``y: (batch, 4)`` after ``x: (batch, 4)``)::
+
+        "y dim 0 must equal batch": sym_size(y, 0) == sym_size(x, 0)
+        u0 >= 2; u0 <= 128; u1 >= 2; u1 <= 128; Eq(u1, u0)
+
+    After::
+
+        "y dim 0 must equal batch": sym_size(y, 0) == sym_size(x, 0)
+        u0 >= 2; u0 <= 128
+
+    torch states them again when it traces the program anew
+    (``run_decompositions``). Returns the number of asserts removed.
+    """
+    import sympy
+
+    removed = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
+            continue
+        if isinstance(node.args[1] if len(node.args) > 1 else None, str) and node.args[1].startswith("branchyard.shapes:"):
+            continue  # a named check: the one that stays
+        rel = _condition(node)
+        if rel is None:
+            continue
+        own = rel.free_symbols & set(derived)
+        if not own:
+            continue
+        if isinstance(rel, sympy.Eq):
+            (sym,) = own if len(own) == 1 else (None,)
+            if sym is not None and sympy.expand(rel.lhs - rel.rhs) in (sympy.expand(sym - derived[sym]),
+                                                                        sympy.expand(derived[sym] - sym)):
+                removed.append(node)
+        elif _as_bound(rel) is not None:  # a range check of a tied symbol
+            removed.append(node)
     for node in removed:
         _erase_with_inputs(gm.graph, node)
     if removed:

@@ -12,12 +12,15 @@ unbacked symbol, created once in a fresh ``ShapeEnv``:
 and every declared dim is built from those symbols (``2 * batch`` becomes the
 SymInt ``2*u0``). Fake tensors with those sizes, in a ``FakeTensorMode`` over
 that ``ShapeEnv``, are what ``make_fx`` and non-strict ``torch.export`` trace.
-For ``torch.export``, a derived tensor dim (``2 * batch``, ``seq - 1``) gets a
-symbol of its own, tied by ``torch._check(u2 == u1 - 1)``, so that each input
-owns the symbols of its sizes: torch binds an input's symbols only from a size
-that is a symbol or an int times one (the latter by a division it never
-checks), and when it traces the program again (``run_decompositions``) it
-refuses any other size and drops a check it can prove from the sizes alone.
+For ``torch.export``, every tensor dim but the slot that binds a var (a second
+``batch``, ``2 * batch``, ``seq - 1``) gets a symbol of its own, tied by
+``torch._check(u2 == u1 - 1)``, so that each input owns the symbols of its
+sizes: torch binds an input's symbols only from a size that is a symbol or an
+int times one (the latter by a division it never checks), and when it traces
+the program again (``run_decompositions``, AOTInductor) it refuses any other
+size and drops every check it can prove from the sizes alone -- with one
+symbol for two inputs, that the two agree, so a compiled program would read
+the second input with the first one's size.
 Range and divisibility checks are recorded once per var, so the traced graph
 carries one set of runtime asserts per var however many inputs share it.
 """
@@ -36,7 +39,7 @@ from branchyard.shapes.shape_var import DimExpr
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.validation import Binding, Leaf
 
-__all__ = ["SymbolicInputs", "make_symbolic_inputs", "needs_own_symbol"]
+__all__ = ["SymbolicInputs", "anchor_slots", "make_symbolic_inputs", "needs_own_symbol"]
 
 
 @dataclass
@@ -64,10 +67,25 @@ def _contiguous_strides(sizes: list[Any]) -> list[Any]:
     return strides
 
 
-def needs_own_symbol(dim: Any) -> bool:
-    """Whether an exported tensor dim gets a symbol of its own, tied to its vars
-    by an ``Eq`` check: every derived dim (see the module docstring)."""
-    return isinstance(dim, DimExpr) and not dim.is_var
+def anchor_slots(binding: Binding) -> set[tuple[int, int]]:
+    """``(id(leaf), dim)`` of each tensor slot where a var is first the whole dim:
+    the slot whose size *is* the var's symbol."""
+    slots = set()
+    for name, leaf in binding.anchor.items():
+        if isinstance(leaf.entry, ScalarEntry):
+            continue
+        for i, d in enumerate(leaf.entry.dims):
+            if isinstance(d, DimExpr) and d.is_var and d.name == name:
+                slots.add((id(leaf), i))
+                break
+    return slots
+
+
+def needs_own_symbol(dim: Any, leaf: Leaf, i: int, anchors: set[tuple[int, int]]) -> bool:
+    """Whether exported tensor dim ``i`` of ``leaf`` gets a symbol of its own, tied
+    to the vars by an ``Eq`` check: every declared dim but a var's anchor slot
+    (see the module docstring)."""
+    return isinstance(dim, DimExpr) and (id(leaf), i) not in anchors
 
 
 def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) -> SymbolicInputs:
@@ -104,7 +122,9 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
         if var.multiple_of > 1:
             torch._check(sym % var.multiple_of == 0)
 
-    def size_of(dim: Any, actual: int, where: str) -> Any:
+    anchors = anchor_slots(binding)
+
+    def size_of(dim: Any, actual: int, where: str, slot: tuple[Leaf, int] | None = None) -> Any:
         if dim is None:
             return actual
         if isinstance(dim, DimExpr):
@@ -116,7 +136,7 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
                     hint=f"let a tensor dim carry {unanchored[0]!r} bare, or use branchyard.shapes.make_fx / compile",
                 )
             value = dim.evaluate(symbols)
-            if export and needs_own_symbol(dim):  # export fakes only tensors: this is a tensor dim
+            if export and slot is not None and needs_own_symbol(dim, *slot, anchors):
                 with shape_env.ignore_fresh_unbacked_symbols():
                     own = shape_env.create_unbacked_symint()
                 torch._check(own == value)  # its range and the relation, for reasoning while tracing
@@ -145,7 +165,7 @@ def _fake_leaf(leaf: Leaf, size_of: Any) -> Any:
         return size_of(leaf.entry.dim, leaf.value, leaf.path)
     # _iter_leaves yields only scalar and tensor leaves
     t: torch.Tensor = leaf.value
-    sizes = [size_of(d, int(n), f"{leaf.path} dim {i}") for i, (d, n) in enumerate(zip(leaf.entry.dims, t.shape))]
+    sizes = [size_of(d, int(n), f"{leaf.path} dim {i}", (leaf, i)) for i, (d, n) in enumerate(zip(leaf.entry.dims, t.shape))]
     fake = torch.empty_strided(sizes, _contiguous_strides(sizes), dtype=t.dtype, device=t.device)
     if t.requires_grad:
         fake.requires_grad_(True)

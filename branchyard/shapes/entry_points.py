@@ -61,7 +61,7 @@ from branchyard.shapes.graph_checks import (
 from branchyard.shapes.interop import HAS_NATIVE_SPEC, compiles_through_wrapper, to_torch_spec
 from branchyard.shapes.shape_var import DimExpr, evaluate_terms
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec, TensorEntry
-from branchyard.shapes.symbolic import SymbolicInputs, anchor_slots, make_symbolic_inputs, needs_own_symbol, tracing_with
+from branchyard.shapes.symbolic import SymbolicInputs, make_symbolic_inputs, tracing_with
 from branchyard.shapes.validation import Binding, Leaf, bind, check_spec_matches_signature, is_tracing, signature_of
 
 __all__ = ["export", "checked_module", "compile", "make_fx", "SpecCompiled", "ShapesFallbackWarning", "resolve_spec"]
@@ -209,9 +209,7 @@ def export(
     if scalars:
         export_kwargs["dynamic_shapes"] = _scalar_spec(spec, binding, scalars, mod)
     # strict: Dynamo gives each dim with a symbol of its own a fresh symbol again, tied to nothing
-    anchors = anchor_slots(binding)
-    own_dims = [(leaf, i, d) for leaf in binding.leaves if isinstance(leaf.entry, TensorEntry)
-                for i, d in enumerate(leaf.entry.dims) if needs_own_symbol(d, leaf, i, anchors)] if strict else []
+    own_dims = inputs.own_dims if strict else []
     with (
         _without_native_spec(fn),
         # strict: Dynamo re-fakifies our fakes into a ShapeEnv of its own (same
@@ -275,7 +273,7 @@ def _strict_symbols(
 ) -> tuple[dict[Any, str], dict[Any, Any]]:
     """After a strict export: Dynamo's symbol for each var, checking that every
     declared tensor dim is still that expression of them; and each dim with a
-    symbol of its own (:func:`needs_own_symbol`) -> its expression in them.
+    symbol of its own (``inputs.own_dims``) -> its expression in them.
 
     Dynamo numbers symbols in its own order (an int argument first takes
     ``u0``), so the symbols are found by position: the tensor user inputs
@@ -302,12 +300,11 @@ def _strict_symbols(
         node = traced[id(fakes[id(leaf)])]
         return node, node.meta["val"].shape[i]
 
-    anchors = anchor_slots(binding)
+    own = {(id(leaf), i) for leaf, i, _ in inputs.own_dims}
     symbols: dict[str, Any] = {}
     for name, leaf in binding.anchor.items():
-        if isinstance(leaf.entry, TensorEntry):
-            i = next(i for i, d in enumerate(leaf.entry.dims) if isinstance(d, DimExpr) and d.is_var and d.name == name)
-            symbols[name] = size(leaf, i)[1].node.expr
+        if binding.anchor_dim[name] is not None:
+            symbols[name] = size(leaf, binding.anchor_dim[name])[1].node.expr
     derived: dict[Any, Any] = {}
     for leaf in binding.leaves:
         if not isinstance(leaf.entry, TensorEntry):
@@ -319,7 +316,7 @@ def _strict_symbols(
             got = actual.node.expr if isinstance(actual, torch.SymInt) else sympy.Integer(actual)
             expected = dim.expr.xreplace({v.symbol: symbols[n] for n, v in dim.vars.items()})
             raw = getattr(actual.node, "_expr", None) if isinstance(actual, torch.SymInt) else None
-            if needs_own_symbol(dim, leaf, i, anchors) and isinstance(raw, sympy.Symbol) and raw not in symbols.values():
+            if (id(leaf), i) in own and isinstance(raw, sympy.Symbol) and raw not in symbols.values():
                 derived[raw] = expected  # tied by the forward's check (_checking_forward's tie_dims)
                 continue
             if sympy.simplify(got - expected) != 0:
@@ -532,14 +529,9 @@ def _scalar_spec(spec: ShapesSpec, binding: Binding, scalars: list[Leaf], mod: t
 def _anchor_size(binding: Binding, name: str, arguments: dict[str, Any]) -> Any:
     """The size that binds var ``name`` in ``arguments`` (a traced call's bound arguments):
     the dim of its anchor tensor where it is bare, or its int argument."""
-    leaf = binding.anchor[name]
-    value = leaf.get(arguments)
-    if isinstance(leaf.entry, ScalarEntry):
-        return value
-    for i, d in enumerate(leaf.entry.dims):  # a loop, not next(genexpr): Dynamo traces this
-        if isinstance(d, DimExpr) and d.is_var and d.name == name:
-            return value.shape[i]
-    raise ShapeSpecError(f"ShapeVar {name!r} is not bare in its anchor {leaf.path}")
+    value = binding.anchor[name].get(arguments)
+    i = binding.anchor_dim[name]
+    return value if i is None else value.shape[i]
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from branchyard.shapes.shape_var import DimExpr
 from branchyard.shapes.spec import ScalarEntry, ShapesSpec
 from branchyard.shapes.validation import Binding, Leaf
 
-__all__ = ["SymbolicInputs", "anchor_slots", "make_symbolic_inputs", "needs_own_symbol"]
+__all__ = ["SymbolicInputs", "make_symbolic_inputs"]
 
 
 @dataclass
@@ -54,6 +54,8 @@ class SymbolicInputs:
     symbols: dict[str, torch.SymInt] = field(default_factory=dict)
     #: export only: the symbol of each dim that got one of its own -> its expression over the vars' symbols
     derived: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)
+    #: export only: ``(leaf, dim, declared dim)`` of each tensor dim that got a symbol of its own
+    own_dims: list[tuple[Leaf, int, DimExpr]] = field(default_factory=list)
 
     def var_of_symbol(self) -> dict[sympy.Symbol, str]:
         """Unbacked sympy symbol (``u0``) -> ShapeVar name, for error messages."""
@@ -67,27 +69,6 @@ def _contiguous_strides(sizes: list[Any]) -> list[Any]:
     return strides
 
 
-def anchor_slots(binding: Binding) -> set[tuple[int, int]]:
-    """``(id(leaf), dim)`` of each tensor slot where a var is first the whole dim:
-    the slot whose size *is* the var's symbol."""
-    slots = set()
-    for name, leaf in binding.anchor.items():
-        if isinstance(leaf.entry, ScalarEntry):
-            continue
-        for i, d in enumerate(leaf.entry.dims):
-            if isinstance(d, DimExpr) and d.is_var and d.name == name:
-                slots.add((id(leaf), i))
-                break
-    return slots
-
-
-def needs_own_symbol(dim: Any, leaf: Leaf, i: int, anchors: set[tuple[int, int]]) -> bool:
-    """Whether exported tensor dim ``i`` of ``leaf`` gets a symbol of its own, tied
-    to the vars by an ``Eq`` check: every declared dim but a var's anchor slot
-    (see the module docstring)."""
-    return isinstance(dim, DimExpr) and (id(leaf), i) not in anchors
-
-
 def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) -> SymbolicInputs:
     """Fake inputs for ``binding`` with one unbacked symbol per ShapeVar.
 
@@ -97,8 +78,8 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     :func:`branchyard.shapes.entry_points.export` makes them unbacked through
     torch's own spec and ties them to the vars while tracing. A var that only
     an int argument binds then has no symbol here, and no tensor dim may use it.
-    A tensor dim that :func:`needs_own_symbol` gets a fresh symbol, tied to its
-    expression (``derived``).
+    Every other declared tensor dim than a var's anchor slot gets a fresh
+    symbol, tied to its expression (``derived``, ``own_dims``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -108,6 +89,7 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
 
     symbols: dict[str, torch.SymInt] = {}
     derived: dict[sympy.Symbol, sympy.Expr] = {}
+    own_dims: list[tuple[Leaf, int, DimExpr]] = []
     # Vars in binding order: the first slot that binds a var names its symbol u0, u1, ...
     with shape_env.ignore_fresh_unbacked_symbols():
         for name, anchor in binding.anchor.items():
@@ -122,7 +104,8 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
         if var.multiple_of > 1:
             torch._check(sym % var.multiple_of == 0)
 
-    anchors = anchor_slots(binding)
+    # the slots whose sizes *are* the vars' symbols
+    anchors = {(id(binding.anchor[n]), i) for n, i in binding.anchor_dim.items() if i is not None}
 
     def size_of(dim: Any, actual: int, where: str, slot: tuple[Leaf, int] | None = None) -> Any:
         if dim is None:
@@ -136,11 +119,12 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
                     hint=f"let a tensor dim carry {unanchored[0]!r} bare, or use branchyard.shapes.make_fx / compile",
                 )
             value = dim.evaluate(symbols)
-            if export and slot is not None and needs_own_symbol(dim, *slot, anchors):
+            if export and slot is not None and (id(slot[0]), slot[1]) not in anchors:
                 with shape_env.ignore_fresh_unbacked_symbols():
                     own = shape_env.create_unbacked_symint()
                 torch._check(own == value)  # its range and the relation, for reasoning while tracing
                 derived[own.node.expr] = value.node.expr
+                own_dims.append((slot[0], slot[1], dim))
                 return own
             return value
         return dim
@@ -157,7 +141,7 @@ def make_symbolic_inputs(spec: ShapesSpec, binding: Binding, *, export: bool) ->
     for name, value in arguments.arguments.items():
         new_arguments[name] = _substitute(value, name, binding.leaves, replaced)
     arguments.arguments.update(new_arguments)
-    return SymbolicInputs(fake_mode, shape_env, tuple(arguments.args), dict(arguments.kwargs), symbols, derived)
+    return SymbolicInputs(fake_mode, shape_env, tuple(arguments.args), dict(arguments.kwargs), symbols, derived, own_dims)
 
 
 def _fake_leaf(leaf: Leaf, size_of: Any) -> Any:

@@ -73,6 +73,8 @@ class Binding:
     bound_at: dict[str, str] = field(default_factory=dict)
     #: for each var, the leaf that bound it (a tensor leaf whenever the var appears bare in one)
     anchor: dict[str, Leaf] = field(default_factory=dict)
+    #: for each var, the dim of its anchor that is the var (None: the anchor is an int argument)
+    anchor_dim: dict[str, int | None] = field(default_factory=dict)
 
 
 def is_tracing(args: tuple, kwargs: dict | None = None) -> bool:
@@ -206,7 +208,8 @@ def bind(
     ordered = [leaf for leaf in leaves if isinstance(leaf.entry, TensorEntry)]
     ordered += [leaf for leaf in leaves if isinstance(leaf.entry, ScalarEntry)]
     for leaf in ordered:
-        for slot, dim, size in _slots(leaf):
+        tensor = isinstance(leaf.entry, TensorEntry)
+        for i, (slot, dim, size) in enumerate(_slots(leaf)):
             if dim is None:
                 continue
             if isinstance(dim, int):
@@ -215,7 +218,7 @@ def bind(
                         f"{slot} has size {size}, the spec fixes it at {dim}", where=f"argument {leaf.path!r}"
                     )
             elif isinstance(dim, ShapeVar):
-                _bind_var(binding, dim, slot, size, leaf)
+                _bind_var(binding, dim, slot, size, leaf, i if tensor else None)
             else:
                 derived.append((slot, dim, size, leaf.path))
     for slot, expr, size, path in derived:
@@ -229,7 +232,7 @@ def bind(
     return binding
 
 
-def _bind_var(binding: Binding, var: ShapeVar, slot: str, size: int, leaf: Leaf) -> None:
+def _bind_var(binding: Binding, var: ShapeVar, slot: str, size: int, leaf: Leaf, dim: int | None) -> None:
     path = leaf.path
     if var.name in binding.values:
         first = binding.values[var.name]
@@ -249,3 +252,4 @@ def _bind_var(binding: Binding, var: ShapeVar, slot: str, size: int, leaf: Leaf)
     binding.values[var.name] = size
     binding.bound_at[var.name] = slot
     binding.anchor[var.name] = leaf
+    binding.anchor_dim[var.name] = dim

@@ -44,12 +44,13 @@ class DimExpr:
     expression; ``vars`` maps each symbol name to its :class:`ShapeVar`.
     """
 
-    __slots__ = ("expr", "vars")
+    __slots__ = ("expr", "vars", "_terms")
 
     def __init__(self, expr: sympy.Expr, vars: Mapping[str, "ShapeVar"]):
         self.expr = sympy.expand(expr)
         # sorted: free_symbols is a set, and printing/JSON must not depend on hash order
         self.vars: dict[str, ShapeVar] = {n: vars[n] for n in sorted(s.name for s in self.expr.free_symbols)}
+        self._terms: tuple[tuple[int, tuple[str, ...]], ...] | None = None
 
     # -- arithmetic builds new expressions ----------------------------------------
     def _combine(self, other: Any, op: str, reflected: bool = False) -> "DimExpr":
@@ -95,21 +96,29 @@ class DimExpr:
                 f"cannot evaluate {self}: no size bound for {missing}",
                 hint="every ShapeVar used in a derived dim needs a value",
             )
-        return _walk(self.expr, values)
+        return evaluate_terms(self.terms(), values)
 
     def terms(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """The expression as ``(coefficient, var names)`` terms, a name repeated
         per power (``2*b*b - 1`` -> ``((2, ('b', 'b')), (-1, ()))``): plain data
         that code Dynamo traces can evaluate (:func:`evaluate_terms`)."""
-        symbols = [v.symbol for v in self.vars.values()]
-        names = list(self.vars)
-        poly = sympy.Poly(self.expr, *symbols) if symbols else None
-        if poly is None:
-            return ((int(self.expr), ()),)
-        return tuple(
-            (int(coef), tuple(n for n, p in zip(names, powers) for _ in range(p)))
-            for powers, coef in poly.terms()
-        )
+        if self._terms is None:
+            symbols = [v.symbol for v in self.vars.values()]
+            try:
+                poly = sympy.Poly(self.expr, *symbols) if symbols else None
+            except sympy.PolynomialError as err:
+                raise ShapeSpecError(
+                    f"unsupported dim expression {self.expr} (only +, - and * of ShapeVars and ints)"
+                ) from err
+            if poly is None:
+                self._terms = ((int(self.expr), ()),)
+            else:
+                names = list(self.vars)
+                self._terms = tuple(
+                    (int(coef), tuple(n for n, p in zip(names, powers) for _ in range(p)))
+                    for powers, coef in poly.terms()
+                )
+        return self._terms
 
     def linear_root(self) -> tuple["ShapeVar", int, int] | None:
         """``(var, a, b)`` when the expression is ``a * var + b`` with ``a > 0``, else None."""
@@ -129,10 +138,10 @@ class DimExpr:
         products of vars with positive coefficients, minus constants).
         """
         lo_env = {n: v.min for n, v in self.vars.items()}
-        lo = _walk(self.expr, lo_env)
+        lo = self.evaluate(lo_env)
         if any(v.max is None for v in self.vars.values()):
             return lo, None
-        return lo, _walk(self.expr, {n: v.max for n, v in self.vars.items()})
+        return lo, self.evaluate({n: v.max for n, v in self.vars.items()})
 
     def __str__(self) -> str:
         return str(self.expr)
@@ -266,37 +275,17 @@ def _merge_vars(a: Mapping[str, ShapeVar], b: Mapping[str, ShapeVar]) -> dict[st
 
 def evaluate_terms(terms: tuple[tuple[int, tuple[str, ...]], ...], env: Mapping[str, Any]) -> Any:
     """The value of :meth:`DimExpr.terms` with each var replaced by ``env[name]``,
-    by plain ``+`` and ``*`` in loops (Dynamo traces it; the values may be SymInts)."""
-    total: Any = 0
+    by plain ``+`` and ``*`` (not ``subs``: the values may be SymInts), in loops
+    (Dynamo traces it, and cannot trace a generator fed to a builtin). A bare
+    var's value is returned as it is, not rebuilt."""
+    total: Any = None
     for coef, names in terms:
-        term: Any = coef
+        term: Any = None
         for name in names:
-            term = term * env[name]
-        total = total + term
-    return total
+            term = env[name] if term is None else term * env[name]
+        if term is None or coef != 1:
+            term = coef if term is None else coef * term
+        total = term if total is None else total + term
+    return 0 if total is None else total
 
 
-def _walk(expr: sympy.Expr, env: Mapping[str, Any]) -> Any:
-    """Evaluate a polynomial sympy expression with Python + and * over ``env``'s values.
-
-    Plain Python arithmetic (not ``subs``) so that the values may be SymInts.
-    """
-    if isinstance(expr, sympy.Integer):
-        return int(expr)
-    if isinstance(expr, sympy.Symbol):
-        return env[expr.name]
-    # loops rather than sum()/math.prod() over generators: strict export runs
-    # this inside Dynamo, which cannot trace a generator fed to a builtin
-    if isinstance(expr, (sympy.Add, sympy.Mul)):
-        add = isinstance(expr, sympy.Add)
-        out = _walk(expr.args[0], env)
-        for a in expr.args[1:]:
-            out = out + _walk(a, env) if add else out * _walk(a, env)
-        return out
-    if isinstance(expr, sympy.Pow) and isinstance(expr.exp, sympy.Integer) and expr.exp > 0:
-        base = _walk(expr.base, env)
-        out = base
-        for _ in range(int(expr.exp) - 1):
-            out = out * base
-        return out
-    raise ShapeSpecError(f"unsupported dim expression {expr} (only +, - and * of ShapeVars and ints)")

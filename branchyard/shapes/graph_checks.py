@@ -12,9 +12,10 @@ the checks back where a graph needs them:
 * :func:`insert_runtime_asserts` -- the two above plus torch's deferred
   runtime asserts (ranges, divisors) for a ``make_fx`` graph.
 
-``torch.export`` needs no binding of ours: there each derived dim has a symbol
-of its own (:mod:`branchyard.shapes.symbolic`), and a bare var shared by
-several inputs passes torch's own binding step.
+``torch.export`` needs no binding of ours: there every dim but a var's anchor
+slot has a symbol of its own (:mod:`branchyard.shapes.symbolic`), so each input
+owns its sizes' symbols, as torch's own binding step expects;
+:func:`drop_tied_symbol_checks` removes torch's copies of the named ties.
 
 Under ``torch.compile`` the symbols are Dynamo's, one per occurrence and tied
 by ``Eq`` asserts; :func:`drop_implied_range_checks` removes the range checks
@@ -361,18 +362,17 @@ def drop_tied_symbol_checks(gm: torch.fx.GraphModule, derived: dict[Any, Any]) -
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten._assert_scalar.default:
             continue
-        if isinstance(node.args[1] if len(node.args) > 1 else None, str) and node.args[1].startswith("branchyard.shapes:"):
+        message = node.args[1] if len(node.args) > 1 else None
+        if isinstance(message, str) and message.startswith("branchyard.shapes:"):
             continue  # a named check: the one that stays
         rel = _condition(node)
-        if rel is None:
+        own = rel.free_symbols & derived.keys() if rel is not None else set()
+        if len(own) != 1:
             continue
-        own = rel.free_symbols & set(derived)
-        if not own:
-            continue
-        if isinstance(rel, sympy.Eq):
-            (sym,) = own if len(own) == 1 else (None,)
-            if sym is not None and sympy.expand(rel.lhs - rel.rhs) in (sympy.expand(sym - derived[sym]),
-                                                                        sympy.expand(derived[sym] - sym)):
+        (sym,) = own
+        if isinstance(rel, sympy.Eq):  # torch's copy of the tie, either way round
+            tie = sym - derived[sym]
+            if sympy.expand(rel.lhs - rel.rhs - tie) == 0 or sympy.expand(rel.lhs - rel.rhs + tie) == 0:
                 removed.append(node)
         elif _as_bound(rel) is not None:  # a range check of a tied symbol
             removed.append(node)

@@ -44,7 +44,7 @@ import functools
 import inspect
 import logging
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -543,7 +543,7 @@ def _checking_forward(
     *,
     restate_divisors: bool,
     int_symbols: dict[Any, str] | None = None,
-    tie_dims: list[tuple[Leaf, int, DimExpr]] = (),  # type: ignore[assignment]
+    tie_dims: Sequence[tuple[Leaf, int, DimExpr]] = (),
 ) -> Iterator[None]:
     """While exporting, run ``forward`` behind checks written with ``torch._check``:
 
